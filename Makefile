@@ -1,0 +1,64 @@
+# pagedkv -- every target sets itself up from scratch on a fresh machine.
+#
+# torch: installed first and only when missing (TORCH_SPEC; on this CPU class the local
+# CPU wheel), so an existing build (Orin's JetPack torch, a CUDA build) is left alone.
+# On Orin use VENV_FLAGS=--system-site-packages so the venv sees JetPack's torch.
+
+PYTHON ?= python3
+VENV ?= .venv
+VENV_FLAGS ?=
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= worker,cuda,test
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.installed-stamp
+PROTO_SRC := $(wildcard protos/pagedkv/v1/*.proto)
+PROTO_STAMP := pagedkv/v1/.generated-stamp
+PYTEST_ARGS ?=
+
+.PHONY: all setup proto run test test-gpu bench bench-quick bench-gpu lint clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+setup: $(STAMP) $(PROTO_STAMP)
+
+# Generated code is never committed and never edited by hand.
+$(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
+	mkdir -p pagedkv/v1
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+	touch pagedkv/v1/__init__.py $@
+
+proto: $(PROTO_STAMP)
+
+run: setup
+	$(BIN)/pagedkv serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-gpu: setup
+	$(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m bench $(ARGS)
+
+bench-quick: setup
+	$(PY) -m bench --quick $(ARGS)
+
+bench-gpu: setup
+	$(PY) -m bench.gpu $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) pagedkv/v1 build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,151 @@
+"""The step contract between the control plane and the worker.
+
+One `Plan` per engine step flows control plane -> worker; one `StepResult` flows back.
+These plain dataclasses are what `protos/pagedkv/v1/worker.proto` serializes; the worker's
+in-process API (`worker.Worker.execute(plan) -> StepResult`) takes them directly.
+
+The plan is a *diff* against the worker's mirrored block tables:
+
+    step k:   NewSequence(seq 7, block_ids=[3, 9, 4], token_ids=prompt[0:40], start_pos=0)
+    step k+1: ContinuingSequence(seq 7, new_block_ids=[], token_ids=[t40], start_pos=40)
+    ...
+    step k+9: ContinuingSequence(seq 7, new_block_ids=[12], token_ids=[t48], start_pos=48)
+                                                ^ appended: table is now [3, 9, 4, 12]
+
+so a decode step's plan grows with the number of sequences, never with context length.
+Slots are never sent: the worker derives slot = table[pos // block_size] * block_size
++ pos % block_size.
+
+Worker order of operations for one plan (all validated first; a bad plan changes nothing):
+  1. drop the mirrors of `finished` sequences;
+  2. register `new` sequences (full tables) and apply `continuing` deltas
+     (`replaced` entries first, then `new_block_ids` appended);
+  3. perform `copies` (src -> dst, every layer) -- copy-on-write happens before any KV write;
+  4. forward all scheduled tokens (KV written by slot, attention over the paged KV);
+  5. sample for each sequence whose `sample` is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+NULL_BLOCK_ID = 0
+"""Block 0 is never allocated to a request and never cached; padded table slots point at it."""
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How to pick tokens. Validated by `validate()` at admission (ValueError = caller misuse)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched by the engine on detokenized text
+    ignore_eos: bool = False
+    n: int = 1  # parallel samples that share the prompt's blocks (fork + copy-on-write)
+    logprobs: bool = False
+
+    def validate(self, max_n: int = 16) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (1 <= self.n <= max_n):
+            raise ValueError(f"n must be in [1, {max_n}], got {self.n}")
+        if self.seed is not None and not (0 <= self.seed < 2**64):
+            raise ValueError(f"seed must fit in uint64, got {self.seed}")
+
+
+@dataclass(slots=True)
+class NewSequence:
+    """A sequence the worker has no mirror of: first scheduled, resumed after preemption,
+    or forked from a parent (n > 1, beam search). Carries its whole block table."""
+
+    seq_id: int
+    block_ids: list[int]  # the full table; covers at least start_pos + len(token_ids) slots
+    token_ids: list[int]  # tokens to compute this step (a prompt chunk, or one decode token)
+    start_pos: int  # position of token_ids[0]; earlier positions are already in the KV cache
+    sampling: SamplingParams
+    sample: bool  # sample after this chunk (false for a non-final prefill chunk)
+    sample_index: int = 0  # which of the request's n samples this sequence is (seeds differ)
+    num_samples: int = 1  # sample this many tokens from the last logits (fan-out for n > 1)
+
+
+@dataclass(slots=True)
+class ContinuingSequence:
+    """A sequence the worker already mirrors. Only the table *changes* travel."""
+
+    seq_id: int
+    new_block_ids: list[int]  # appended to the end of the table this step
+    replaced: list[tuple[int, int]]  # (table index, new block id): copy-on-write replacements
+    token_ids: list[int]
+    start_pos: int
+    sample: bool
+
+
+@dataclass(slots=True)
+class Plan:
+    step_id: int
+    new: list[NewSequence] = field(default_factory=list)
+    continuing: list[ContinuingSequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block ids
+    finished: list[int] = field(default_factory=list)  # seq ids whose mirrors the worker drops
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.new) + sum(len(s.token_ids) for s in self.continuing)
+
+    def is_empty(self) -> bool:
+        return not (self.new or self.continuing or self.copies or self.finished)
+
+
+@dataclass(slots=True)
+class SeqOutput:
+    """Tokens sampled for one sequence this step: one token, or `num_samples` for a fan-out."""
+
+    seq_id: int
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # logprob of each sampled token, when requested
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    outputs: list[SeqOutput] = field(default_factory=list)
+    forward_seconds: float = 0.0
+
+
+class KVLayout(IntEnum):
+    PAGED = 1
+    CONTIGUOUS = 2
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerInfo:
+    """What `Worker.describe()` reports; the control plane sizes its block pool from it."""
+
+    model_name: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    block_size: int
+    num_blocks: int  # including the null block 0
+    bytes_per_block: int  # 2 * layers * kv_heads * head_dim * dtype_bytes * block_size
+    device: str  # "cpu" | "cuda:0" | ...
+    instance_id: str  # changes on every worker start; a new one means the mirrors are gone
+    eos_token_ids: tuple[int, ...] = ()
+    kv_layout: KVLayout = KVLayout.PAGED
+    tokenizer_kind: str = "none"  # "byte" | "hf" | "none" (see control_plane.tokenizer)
+    tokenizer_json: str = ""  # the checkpoint's tokenizer.json when tokenizer_kind == "hf"

@@ -1,0 +1,106 @@
+"""A client request and the sequences it owns.
+
+A `Request` is what a client asked for (one prompt, `n` samples). Each sample is a
+`Sequence`: the unit the scheduler schedules and the KV cache manager gives a block table.
+With n > 1 the request starts as one sequence; when its prompt completes, the worker samples
+n first tokens and the scheduler forks n - 1 children that share every prompt block.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from control_plane.plan import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    # Values match pagedkv.v1.FinishReason in engine.proto.
+    STOP = 1  # EOS, a stop token id or a stop string
+    LENGTH = 2  # max_tokens reached, or the model's max length
+    ABORT = 3  # cancelled by the client or by Abort
+    OUT_OF_MEMORY = 4  # the KV pool cannot hold this sequence even running alone
+    ERROR = 5  # the worker failed while running it
+
+
+class SeqStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # waiting again; its blocks were freed (recompute)
+    FINISHED = 3
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample of a request. `token_ids` = prompt + generated tokens so far."""
+
+    seq_id: int
+    request: Request
+    sample_index: int
+    token_ids: list[int]
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (incl. prefix hits)
+    num_cached_tokens: int = -1  # prefix-cache hit on first admission; -1 = not yet admitted
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Worker sync state: whether the worker mirrors this sequence's table, and how much of
+    # the table it has (entries beyond this are sent as `new_block_ids`).
+    synced: bool = False
+    num_synced_blocks: int = 0
+    admitted_at: int = 0  # step counter at (re)admission; preemption picks the newest
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.request.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # lower value = more important (vLLM's convention); FCFS within a level
+    cache_salt: str = ""
+    arrival: int = 0  # monotonically increasing admission order
+    eos_token_ids: tuple[int, ...] = ()
+    sequences: list[Sequence] = field(default_factory=list)
+    num_finished: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.num_finished == self.sampling.n and len(self.sequences) == self.sampling.n
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one sample of a request (the stream's next message)."""
+
+    request_id: str
+    index: int  # sample index in [0, n)
+    new_token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None  # set on the sample's last output

@@ -1,0 +1,1 @@
+"""pagedkv: the public client, CLI and generated protobuf code (`pagedkv.v1`, made by `make proto`)."""
