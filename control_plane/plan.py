@@ -147,5 +147,6 @@ class WorkerInfo:
     instance_id: str  # changes on every worker start; a new one means the mirrors are gone
     eos_token_ids: tuple[int, ...] = ()
     kv_layout: KVLayout = KVLayout.PAGED
+    max_concurrent_seqs: int = 0  # 0 = no limit; contiguous layout: the number of max-length rows
     tokenizer_kind: str = "none"  # "byte" | "hf" | "none" (see control_plane.tokenizer)
     tokenizer_json: str = ""  # the checkpoint's tokenizer.json when tokenizer_kind == "hf"
