@@ -89,6 +89,7 @@ class ContinuingSequence:
     token_ids: list[int]
     start_pos: int
     sample: bool
+    num_samples: int = 1  # fan-out when a chunked prompt completes in this step (see NewSequence)
 
 
 @dataclass(slots=True)

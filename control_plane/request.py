@@ -55,6 +55,7 @@ class Sequence:
     num_synced_blocks: int = 0
     admitted_at: int = 0  # step counter at (re)admission; preemption picks the newest
     num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,8 +83,11 @@ class Request:
     cache_salt: str = ""
     arrival: int = 0  # monotonically increasing admission order
     eos_token_ids: tuple[int, ...] = ()
+    extra_keys: bytes = b""  # mixed into every block hash (cache salt, adapter id)
+    stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
     sequences: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
+    forked: bool = False  # n > 1: the children exist (the fan-out happened)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,160 @@
+"""Per-sequence block tables over the shared block pool: allocation, prefix hits, fork,
+copy-on-write, and freeing.
+
+One block table per sequence, shared by every layer (block id b is slot range
+[b*block_size, (b+1)*block_size) in *each* layer's K and V pool).
+
+    positions:  0 ........ 15 | 16 ....... 31 | 32 .. 34 (35 tokens, block size 16)
+    table:      [ block 7      | block 3       | block 12 (3 of 16 slots used) ]
+
+Invariants (see control_plane.invariants):
+  - sum of ref counts == number of table entries pointing at real blocks;
+  - a sequence's table never contains the null block;
+  - a write into a block with ref count > 1 is preceded by a copy-on-write in the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from control_plane.block_hash import extend_block_hashes
+from control_plane.block_pool import BlockPool, KVBlock
+from control_plane.request import Sequence
+
+
+@dataclass(slots=True)
+class Allocation:
+    """What `allocate_slots` changed in one sequence's table (the plan's diff source)."""
+
+    num_new_blocks: int = 0  # appended to the end of the table
+    replaced: list[tuple[int, int]] = field(default_factory=list)  # (index, new block id)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block ids
+
+
+_NO_CHANGE = Allocation()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.tables: dict[int, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[int, int] = {}  # table prefix already hashed + cached
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found cached
+
+    # -- prefix cache -------------------------------------------------------------------
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of `seq`, in whole blocks, leaving >= 1 token to compute.
+
+        Returns the blocks (not yet referenced: pass them to `allocate_slots`) and the
+        number of tokens they cover. Changes no state.
+        """
+        if not self.enable_caching:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs  # cap: the last token is always computed
+        extend_block_hashes(seq.block_hashes, seq.token_ids, bs, max_blocks, seq.request.extra_keys)
+        hits: list[KVBlock] = []
+        get = self.pool.cached.get
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block = get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * bs
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count a lookup once, when the sequence is admitted (not on every blocked retry)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit
+
+    # -- allocation ---------------------------------------------------------------------
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> Allocation | None:
+        """Make room for `num_new_tokens` tokens starting at `seq.num_computed_tokens`
+        (plus `computed_blocks`, prefix hits on first admission). Allocates on demand:
+        a new block only when the last one is full. Copies-on-write any shared block the new
+        tokens write into. Returns None, changing nothing, when the pool cannot satisfy it.
+        """
+        bs = self.block_size
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            table = []
+        start = seq.num_computed_tokens + (len(computed_blocks) * bs if computed_blocks else 0)
+        end = start + num_new_tokens
+        num_needed = -(-end // bs) - len(table) - (len(computed_blocks) if computed_blocks else 0)
+        first_write = start // bs
+        # Fast path: a decode step inside an unshared block.
+        if (
+            num_needed <= 0
+            and not computed_blocks
+            and (first_write >= len(table) or table[first_write].ref_cnt == 1)
+        ):
+            return _NO_CHANGE
+        cow = [i for i in range(first_write, min(-(-end // bs), len(table))) if table[i].ref_cnt > 1]
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0) if computed_blocks else 0
+        if max(num_needed, 0) + len(cow) > self.pool.num_free_blocks - num_revived:
+            return None
+        alloc = Allocation()
+        if seq.seq_id not in self.tables:
+            self.tables[seq.seq_id] = table
+            self.num_cached_blocks[seq.seq_id] = 0
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            table.extend(computed_blocks)
+            alloc.num_new_blocks += len(computed_blocks)
+            self.num_cached_blocks[seq.seq_id] = len(table)
+        for i in cow:
+            src = table[i]
+            (dst,) = self.pool.get_new_blocks(1)
+            self.pool.free_blocks((src,))  # ref > 1, so it never reaches the free queue here
+            table[i] = dst
+            alloc.replaced.append((i, dst.block_id))
+            alloc.copies.append((src.block_id, dst.block_id))
+        if num_needed > 0:
+            table.extend(self.pool.get_new_blocks(num_needed))
+            alloc.num_new_blocks += num_needed
+        return alloc
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Hash and cache every block whose slots are all computed (call after a step ran)."""
+        if not self.enable_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        done = self.num_cached_blocks.get(seq.seq_id, 0)
+        if num_full <= done:
+            return
+        extend_block_hashes(
+            seq.block_hashes, seq.token_ids, self.block_size, num_full, seq.request.extra_keys
+        )
+        table = self.tables[seq.seq_id]
+        for i in range(done, num_full):
+            self.pool.cache_block(table[i], seq.block_hashes[i])
+        self.num_cached_blocks[seq.seq_id] = num_full
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share every block of parent with child (ref count += 1). Writes are copy-on-write."""
+        if child.seq_id in self.tables:
+            raise ValueError(f"sequence {child.seq_id} already has a block table")
+        table = self.tables[parent.seq_id]
+        self.pool.touch(table)
+        self.tables[child.seq_id] = list(table)
+        self.num_cached_blocks[child.seq_id] = self.num_cached_blocks[parent.seq_id]
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, tail first, so a shared prefix survives longest."""
+        table = self.tables.pop(seq.seq_id, None)
+        self.num_cached_blocks.pop(seq.seq_id, None)
+        if table:
+            self.pool.free_blocks(reversed(table))
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        return [b.block_id for b in self.tables.get(seq_id, ())]
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)

@@ -1,0 +1,353 @@
+"""Continuous batching at iteration level: which sequences compute which tokens this step.
+
+One step:
+
+    schedule() ──▶ Plan ──▶ worker.execute(plan) ──▶ StepResult ──▶ update(plan, result)
+       │ running first (decodes, then prefill chunks), preempting the lowest-priority,
+       │ most recently admitted sequence when the pool runs dry; then waiting sequences
+       │ (prefix-cache hits, chunked prefill) while budget, seats and blocks last.
+
+A sequence's `num_computed_tokens` advances when it is scheduled; its sampled token arrives in
+`update`. Blocks are allocated on demand (a new one only when the last is full); a sequence
+preempted by recompute frees its blocks -- full ones stay cached -- and waits again with its
+original arrival order, so its recompute usually hits the prefix cache.
+
+Priority: lower value first, FCFS within a level; waiting order (priority, arrival);
+preemption victims are taken from the end of `running`, sorted (priority, admitted_at).
+A higher-priority arrival does not preempt running work (it goes first in the queue).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from control_plane.block_hash import extra_keys as make_extra_keys
+from control_plane.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    ResourceExhaustedError,
+)
+from control_plane.kv_cache_manager import Allocation, KVCacheManager
+from control_plane.plan import ContinuingSequence, KVLayout, NewSequence, Plan, SamplingParams, WorkerInfo
+from control_plane.request import FinishReason, Request, RequestOutput, SeqStatus, Sequence
+from control_plane.scheduler_config import SchedulerConfig
+from control_plane.scheduler_update import SchedulerUpdate
+from control_plane.stats import AllocationRate, SequenceTable, StatsSnapshot, ref_count_histogram
+
+
+class Scheduler(SchedulerUpdate):
+    def __init__(self, config: SchedulerConfig, worker_info: WorkerInfo) -> None:
+        config.validate()
+        self.config = config
+        self.info = worker_info
+        self.block_size = worker_info.block_size
+        self.max_model_len = min(config.max_model_len or worker_info.max_model_len, worker_info.max_model_len)
+        paged = worker_info.kv_layout == KVLayout.PAGED
+        self.kv = KVCacheManager(
+            worker_info.num_blocks,
+            worker_info.block_size,
+            enable_caching=config.enable_prefix_caching and paged,
+        )
+        limits = [config.max_num_seqs]
+        if config.policy == "latency":
+            limits.append(config.latency_max_num_seqs)
+        if worker_info.max_concurrent_seqs:
+            limits.append(worker_info.max_concurrent_seqs)
+        self.max_running = min(limits)
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self.waiting: list[tuple[int, int, int, int]] = []  # heap of (priority, arrival, index, seq_id)
+        self.num_waiting = 0
+        self.running: list[Sequence] = []
+        self._running_dirty = False  # needs re-sorting by (priority, admitted_at)
+        self.pending_finished: list[int] = []  # synced seq ids the worker must drop
+        self._next_seq_id = 1
+        self._arrival = 0
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.num_finished_requests = 0
+        self._alloc_rate = AllocationRate()
+        self._orphan_outputs: list[RequestOutput] = []  # produced by schedule(), returned by update()
+
+    # -- admission ----------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        priority: int = 0,
+        cache_salt: str = "",
+    ) -> Request:
+        """Queue a request. Raises a control_plane.errors exception when it is wrong or can never run."""
+        if request_id in self.requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already live; use a unique id")
+        self._validate(prompt_token_ids, sampling)
+        if self.num_waiting >= self.config.max_queue:
+            raise ResourceExhaustedError(
+                f"the waiting queue is full ({self.config.max_queue} requests); retry later"
+            )
+        self._arrival += 1
+        stop_ids = set(sampling.stop_token_ids)
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            sampling,
+            priority,
+            cache_salt,
+            self._arrival,
+            eos_token_ids=() if sampling.ignore_eos else tuple(self.info.eos_token_ids),
+            extra_keys=make_extra_keys(cache_salt),
+        )
+        req.stop_ids = frozenset(stop_ids.union(req.eos_token_ids))
+        self.requests[request_id] = req
+        self._enqueue(self._new_sequence(req, 0, list(prompt_token_ids)))
+        return req
+
+    def _validate(self, prompt: list[int], sampling: SamplingParams) -> None:
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty; send at least one token")
+        vocab = self.info.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        try:
+            sampling.validate(self.config.max_n)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        if len(prompt) + sampling.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
+                f"max length {self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        if sampling.n > self.max_running:
+            raise InvalidRequestError(
+                f"n={sampling.n} exceeds the {self.max_running} sequences that can "
+                f"run at once (max_num_seqs); lower n"
+            )
+        if sampling.n > 1 and self.info.kv_layout != KVLayout.PAGED:
+            raise InvalidRequestError("n > 1 needs shared KV blocks; the worker runs the contiguous layout")
+        need = self.kv.num_blocks_needed(len(prompt) + sampling.max_tokens)
+        if need > self.kv.pool.num_blocks - 1:
+            raise ResourceExhaustedError(
+                f"the request needs {need} KV blocks at full length but the pool has "
+                f"{self.kv.pool.num_blocks - 1}; lower max_tokens or give the worker more KV memory"
+            )
+
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(self._next_seq_id, req, index, token_ids)
+        self._next_seq_id += 1
+        self.seqs[seq.seq_id] = seq
+        req.sequences.append(seq)
+        return seq
+
+    def _enqueue(self, seq: Sequence) -> None:
+        req = seq.request
+        heapq.heappush(self.waiting, (req.priority, req.arrival, seq.sample_index, seq.seq_id))
+        self.num_waiting += 1
+
+    def _peek_waiting(self) -> Sequence | None:
+        while self.waiting:
+            seq = self.seqs.get(self.waiting[0][3])
+            if seq is not None and seq.status in (SeqStatus.WAITING, SeqStatus.PREEMPTED):
+                return seq
+            heapq.heappop(self.waiting)  # lazily drop entries of aborted sequences
+        return None
+
+    # -- scheduling ---------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        self.num_steps += 1
+        plan = Plan(step_id=self.num_steps)
+        budget = self.config.max_num_batched_tokens
+        if self._running_dirty:
+            self.running.sort(key=lambda s: (s.request.priority, s.admitted_at))
+            self._running_dirty = False
+        budget, preempted = self._schedule_running(plan, budget)
+        if not preempted and self._may_admit():
+            self._schedule_waiting(plan, budget)
+        plan.finished = self.pending_finished
+        self.pending_finished = []
+        return plan
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap else n
+
+    def _schedule_running(self, plan: Plan, budget: int) -> tuple[int, bool]:
+        running = self.running
+        # Decodes are reserved one token each so a long prefill chunk never starves them.
+        reserve = sum(1 for s in running if s.num_tokens - s.num_computed_tokens == 1)
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            is_decode = seq.num_tokens - seq.num_computed_tokens == 1
+            if is_decode:
+                reserve -= 1
+                num_new = 1
+            else:
+                num_new = self._chunk(seq, max(budget - reserve, 0))
+                if num_new == 0:
+                    i += 1
+                    continue
+            alloc = self.kv.allocate_slots(seq, num_new)
+            while alloc is None and len(running) - 1 > i:
+                victim = running.pop()  # lowest priority, most recently admitted
+                if victim.num_tokens - victim.num_computed_tokens == 1:
+                    reserve -= 1
+                self._preempt(victim)
+                preempted = True
+                alloc = self.kv.allocate_slots(seq, num_new)
+            if alloc is None:
+                running.pop(i)
+                if i == 0:  # nothing else holds blocks: this sequence alone ran the pool dry
+                    self._finish(seq, FinishReason.OUT_OF_MEMORY)
+                    self._orphan_outputs.append(self._output(seq, []))
+                else:
+                    self._preempt(seq)
+                preempted = True
+                continue
+            self._emit(plan, seq, num_new, alloc)
+            budget -= num_new
+            i += 1
+        return budget, preempted
+
+    def _may_admit(self) -> bool:
+        if self.config.policy == "latency":
+            # Finish running decodes before admitting new prefills (flat inter-token latency).
+            return all(s.num_output_tokens == 0 for s in self.running)
+        return True
+
+    def _schedule_waiting(self, plan: Plan, budget: int) -> None:
+        while budget > 0:
+            seq = self._peek_waiting()
+            if seq is None:
+                return
+            req = seq.request
+            seats = req.sampling.n if (req.sampling.n > 1 and not req.forked) else 1
+            if len(self.running) + seats > self.max_running:
+                return
+            hits, num_hit = self.kv.get_computed_blocks(seq)
+            num_new = min(seq.num_tokens - num_hit, budget)
+            cap = self.config.long_prefill_token_threshold
+            num_new = min(num_new, cap) if cap else num_new
+            alloc = self.kv.allocate_slots(seq, num_new, hits)
+            if alloc is None:
+                return  # head-of-line blocks: FCFS, no overtaking by smaller requests
+            heapq.heappop(self.waiting)
+            self.num_waiting -= 1
+            self.kv.record_prefix_lookup(seq.num_tokens, num_hit)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_hit
+            seq.status = SeqStatus.RUNNING
+            seq.admitted_at = self.num_steps
+            seq.num_computed_tokens = num_hit
+            self.running.append(seq)
+            self._running_dirty = True
+            self._emit(plan, seq, num_new, alloc)
+            budget -= num_new
+
+    def _emit(self, plan: Plan, seq: Sequence, num_new: int, alloc: Allocation) -> None:
+        start = seq.num_computed_tokens
+        tokens = seq.token_ids[start : start + num_new]
+        seq.num_computed_tokens = start + num_new
+        sample = seq.num_computed_tokens == seq.num_tokens
+        table = self.kv.tables[seq.seq_id]
+        if alloc.copies:
+            plan.copies.extend(alloc.copies)
+        req = seq.request
+        fan_out = req.sampling.n if (req.sampling.n > 1 and not req.forked and sample) else 1
+        if not seq.synced:
+            plan.new.append(
+                NewSequence(
+                    seq.seq_id,
+                    [b.block_id for b in table],
+                    tokens,
+                    start,
+                    req.sampling,
+                    sample,
+                    seq.sample_index,
+                    fan_out,
+                )
+            )
+            seq.synced = True
+        else:
+            synced = seq.num_synced_blocks
+            new_ids = [b.block_id for b in table[synced:]] if len(table) > synced else []
+            plan.continuing.append(
+                ContinuingSequence(seq.seq_id, new_ids, alloc.replaced, tokens, start, sample, fan_out)
+            )
+        seq.num_synced_blocks = len(table)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free the blocks (full ones stay cached) and wait again."""
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._unsync(seq)
+        self._enqueue(seq)
+
+    def _unsync(self, seq: Sequence) -> None:
+        if seq.synced:
+            self.pending_finished.append(seq.seq_id)
+        seq.synced = False
+        seq.num_synced_blocks = 0
+
+    # -- queries and recovery -----------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_pending_work(self) -> bool:
+        return bool(self.requests) or bool(self.pending_finished)
+
+    def block_tables(self, request_id: str) -> list[SequenceTable]:
+        req = self._get(request_id)
+        return [
+            SequenceTable(s.sample_index, self.kv.block_ids(s.seq_id), s.num_tokens, s.num_computed_tokens)
+            for s in req.sequences
+            if not s.is_finished
+        ]
+
+    def stats(self) -> StatsSnapshot:
+        pool = self.kv.pool
+        frag = sum(
+            len(t) * self.block_size - min(self.seqs[sid].num_tokens, len(t) * self.block_size)
+            for sid, t in self.kv.tables.items()
+        )
+        queries = self.kv.prefix_queries
+        return StatsSnapshot(
+            num_blocks_total=pool.num_blocks - 1,
+            num_blocks_free=pool.num_free_blocks,
+            num_blocks_cached=len(pool.cached),
+            kv_usage=pool.usage(),
+            block_size=self.block_size,
+            blocks_allocated_total=pool.num_allocated_total,
+            blocks_allocated_per_s=self._alloc_rate.update(pool.num_allocated_total),
+            prefix_cache_queries=queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            prefix_cache_hit_rate=self.kv.prefix_hits / queries if queries else 0.0,
+            internal_fragmentation_slots=frag,
+            ref_count_histogram=ref_count_histogram(pool.blocks),
+            num_preemptions=self.num_preemptions,
+            num_running=len(self.running),
+            num_waiting=self.num_waiting,
+            num_finished_requests=self.num_finished_requests,
+            num_steps=self.num_steps,
+            num_evictions=pool.num_evictions,
+        )
+
+    def on_worker_lost(self) -> None:
+        """The worker's mirrors and KV contents are gone (restart) or unknown (failed step):
+        preempt every running sequence, forget what the worker was told, and drop the prefix
+        cache, whose blocks lived in the lost KV pool."""
+        for seq in reversed(self.running):
+            self._preempt(seq)
+        self.running.clear()
+        self.pending_finished.clear()
+        if not self.kv.pool.reset_prefix_cache():
+            raise AssertionError("blocks still held after preempting every running sequence")
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.pool.reset_prefix_cache()

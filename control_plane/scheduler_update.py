@@ -1,0 +1,155 @@
+"""The second half of a step: folding the worker's sampled tokens back into sequences.
+
+`update` appends tokens, forks n > 1 requests at their fan-out, stops sequences (EOS, stop
+token ids, max_tokens, max model length), frees finished ones, caches newly full blocks, and
+returns one `RequestOutput` per sample that produced a token or finished. Aborts and
+engine-side stops (stop strings) end samples through the same `_finish` path.
+"""
+
+from __future__ import annotations
+
+from control_plane.errors import RequestNotFoundError
+from control_plane.plan import Plan, StepResult
+from control_plane.request import FinishReason, Request, RequestOutput, SeqStatus, Sequence, Usage
+
+
+class SchedulerUpdate:
+    """Mixin of `Scheduler`: everything that happens after the worker answered."""
+
+    def update(self, plan: Plan, result: StepResult) -> list[RequestOutput]:
+        if result.step_id != plan.step_id:
+            raise AssertionError(f"result of step {result.step_id} applied to plan {plan.step_id}")
+        seqs = self.seqs
+        # The step ran: every slot scheduled is now computed, so full blocks become cacheable.
+        if self.kv.enable_caching:
+            for item in (*plan.new, *plan.continuing):
+                seq = seqs.get(item.seq_id)
+                if seq is not None and seq.status == SeqStatus.RUNNING:
+                    self.kv.cache_full_blocks(seq)
+        outputs, self._orphan_outputs = self._orphan_outputs, []
+        any_finished = False
+        for out in result.outputs:
+            seq = seqs.get(out.seq_id)
+            if seq is None or seq.status != SeqStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            token_ids = out.token_ids
+            logprobs = out.logprobs
+            if len(token_ids) > 1:
+                self._fan_out(seq, token_ids[1:], logprobs[1:] if logprobs else None, outputs)
+                token_ids = token_ids[:1]
+                logprobs = logprobs[:1] if logprobs else None
+            if self._append(seq, token_ids[0]):
+                any_finished = True
+            outputs.append(self._output(seq, token_ids, logprobs))
+        if any_finished:
+            self.running = [s for s in self.running if s.status == SeqStatus.RUNNING]
+        return outputs
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Append one sampled token; finish the sequence if it hit a stop. True if finished."""
+        seq.token_ids.append(token)
+        req = seq.request
+        if token in req.stop_ids:
+            reason = FinishReason.STOP
+        elif (
+            seq.num_tokens - req.num_prompt_tokens >= req.sampling.max_tokens
+            or seq.num_tokens >= self.max_model_len
+        ):
+            reason = FinishReason.LENGTH
+        else:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def _fan_out(self, parent: Sequence, tokens: list[int], logprobs, outputs: list[RequestOutput]) -> None:
+        """n > 1: children share every prompt block of the parent (copy-on-write later)."""
+        req = parent.request
+        req.forked = True
+        for i, token in enumerate(tokens, start=1):
+            child = self._new_sequence(req, i, list(req.prompt_token_ids))
+            child.status = SeqStatus.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.admitted_at = parent.admitted_at
+            child.block_hashes = list(parent.block_hashes)
+            self.kv.fork(parent, child)
+            self.running.append(child)
+            self._running_dirty = True
+            self._append(child, token)
+            outputs.append(self._output(child, [token], [logprobs[i - 1]] if logprobs else None))
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status == SeqStatus.FINISHED:
+            return
+        if seq.status in (SeqStatus.WAITING, SeqStatus.PREEMPTED):
+            self.num_waiting -= 1  # its heap entry is dropped lazily
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq)
+        self._unsync(seq)
+        req = seq.request
+        req.num_finished += 1
+        if req.num_finished >= req.sampling.n:
+            self._retire(req)
+
+    def _retire(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        for s in req.sequences:
+            self.seqs.pop(s.seq_id, None)
+        self.num_finished_requests += 1
+
+    def _output(self, seq: Sequence, token_ids: list[int], logprobs=None) -> RequestOutput:
+        usage = None
+        if seq.status == SeqStatus.FINISHED:
+            usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens, max(seq.num_cached_tokens, 0))
+        return RequestOutput(
+            seq.request.request_id, seq.sample_index, list(token_ids), logprobs, seq.finish_reason, usage
+        )
+
+    # -- ending samples from outside the step -------------------------------------------
+    def _get(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(
+                f"no live request with id {request_id!r} (finished, aborted or never sent)"
+            )
+        return req
+
+    def abort_request(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+    ) -> list[RequestOutput]:
+        """End every unfinished sample of a request; blocks are freed now, and the worker is
+        told to drop its mirrors in the next plan. Raises RequestNotFoundError."""
+        req = self._get(request_id)
+        outputs = []
+        for seq in list(req.sequences):
+            if seq.status != SeqStatus.FINISHED:
+                self._finish(seq, reason)
+                outputs.append(self._output(seq, []))
+        # Samples of an n > 1 request that were never forked end too.
+        for index in range(len(req.sequences), req.sampling.n):
+            outputs.append(
+                RequestOutput(req.request_id, index, [], None, reason, Usage(req.num_prompt_tokens, 0, 0))
+            )
+        if req.request_id in self.requests:
+            self._retire(req)
+        self.running = [s for s in self.running if s.status == SeqStatus.RUNNING]
+        return outputs
+
+    def finish_sample(self, request_id: str, index: int, reason: FinishReason) -> RequestOutput | None:
+        """End one sample (e.g. a stop string matched by the engine). None if already ended."""
+        req = self._get(request_id)
+        if not 0 <= index < len(req.sequences):
+            return None
+        seq = req.sequences[index]
+        if seq.status == SeqStatus.FINISHED:
+            return None
+        self._finish(seq, reason)
+        self.running = [s for s in self.running if s.status == SeqStatus.RUNNING]
+        return self._output(seq, [])
+
+    def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> list[RequestOutput]:
+        outputs = []
+        for request_id in list(self.requests):
+            outputs.extend(self.abort_request(request_id, reason))
+        return outputs

@@ -1,0 +1,131 @@
+"""A torch-free stand-in for the worker that *checks* paging instead of running a model.
+
+Its "KV cache" stores, for each slot, the token id written there. Every step it applies the
+plan exactly as the real worker must (drop finished, register/extend tables, copy-on-write
+copies, write new tokens by slot), then reads each scheduled sequence's whole context back
+*through its block table* and derives the next token from what it read:
+
+    next token = sim_next_token(context read back from the paged KV, sample index)
+
+So a wrong table entry, a missing copy, a stale prefix-cache hit or a block reused while still
+referenced changes the tokens, and tests comparing against `reference_tokens` (computed
+without any paging) catch it. `verify=False` skips the read-back (transport benchmarks).
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from hashlib import blake2b
+
+from control_plane.plan import NULL_BLOCK_ID, Plan, SeqOutput, StepResult, WorkerInfo
+
+
+def sim_next_token(context: list[int], sample_index: int, vocab_size: int) -> int:
+    h = blake2b(array("I", context).tobytes(), digest_size=8, salt=sample_index.to_bytes(8, "little"))
+    return int.from_bytes(h.digest(), "little") % vocab_size
+
+
+def reference_tokens(
+    prompt: list[int],
+    sample_index: int,
+    max_tokens: int,
+    vocab_size: int,
+    stop_ids: frozenset[int] = frozenset(),
+) -> list[int]:
+    """What a correct engine must produce for one sample, with no paging involved."""
+    seq = list(prompt)
+    out = []
+    for _ in range(max_tokens):
+        t = sim_next_token(seq, sample_index, vocab_size)
+        out.append(t)
+        seq.append(t)
+        if t in stop_ids:
+            break
+    return out
+
+
+class SimWorker:
+    def __init__(
+        self,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        vocab_size: int = 1000,
+        max_model_len: int = 4096,
+        eos_token_ids: tuple[int, ...] = (),
+        verify: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.verify = verify
+        self._info = WorkerInfo(
+            model_name="sim",
+            architecture="SimWorker",
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
+            dtype="int32",
+            block_size=block_size,
+            num_blocks=num_blocks,
+            bytes_per_block=4 * block_size,
+            device="sim",
+            instance_id=f"sim-{time.monotonic_ns()}",
+            eos_token_ids=eos_token_ids,
+        )
+        self.slots = array("i", [-1]) * (num_blocks * block_size)
+        self.tables: dict[int, list[int]] = {}
+        self.sample_index: dict[int, int] = {}
+        self.num_copies = 0
+
+    def describe(self) -> WorkerInfo:
+        return self._info
+
+    def reset(self) -> None:
+        self.tables.clear()
+        self.sample_index.clear()
+
+    def execute(self, plan: Plan) -> StepResult:
+        for seq_id in plan.finished:
+            if self.tables.pop(seq_id, None) is None:
+                raise ValueError(f"finished sequence {seq_id} is not mirrored")
+            self.sample_index.pop(seq_id, None)
+        for s in plan.new:
+            if s.seq_id in self.tables:
+                raise ValueError(f"new sequence {s.seq_id} already mirrored")
+            self.tables[s.seq_id] = list(s.block_ids)
+            self.sample_index[s.seq_id] = s.sample_index
+        for s in plan.continuing:
+            table = self.tables[s.seq_id]
+            for index, block_id in s.replaced:
+                table[index] = block_id
+            table.extend(s.new_block_ids)
+        bs = self.block_size
+        for src, dst in plan.copies:
+            self.slots[dst * bs : (dst + 1) * bs] = self.slots[src * bs : (src + 1) * bs]
+            self.num_copies += 1
+        outputs = []
+        items = [(s, s.num_samples) for s in (*plan.new, *plan.continuing)]
+        for s, _ in items:
+            self._write(s.seq_id, s.start_pos, s.token_ids)
+        for s, num_samples in items:
+            if not s.sample:
+                continue
+            context = self._read(s.seq_id, s.start_pos + len(s.token_ids)) if self.verify else s.token_ids
+            base = self.sample_index[s.seq_id]
+            vocab = self._info.vocab_size
+            toks = [sim_next_token(context, base + i, vocab) for i in range(num_samples)]
+            outputs.append(SeqOutput(s.seq_id, toks, None))
+        return StepResult(plan.step_id, outputs)
+
+    def _write(self, seq_id: int, start: int, tokens: list[int]) -> None:
+        table, bs = self.tables[seq_id], self.block_size
+        for pos, tok in enumerate(tokens, start):
+            block = table[pos // bs]
+            if block == NULL_BLOCK_ID:
+                raise ValueError(f"sequence {seq_id} writes position {pos} into the null block")
+            self.slots[block * bs + pos % bs] = tok
+
+    def _read(self, seq_id: int, length: int) -> list[int]:
+        table, bs = self.tables[seq_id], self.block_size
+        return [self.slots[table[p // bs] * bs + p % bs] for p in range(length)]
