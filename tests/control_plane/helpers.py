@@ -1,0 +1,31 @@
+"""Small builders shared by the control-plane tests."""
+
+from __future__ import annotations
+
+from control_plane.engine import EngineCore
+from control_plane.plan import SamplingParams
+from control_plane.request import Request, Sequence
+from control_plane.scheduler_config import SchedulerConfig
+from control_plane.sim_worker import SimWorker
+
+_next = [1000]
+
+
+def make_seq(token_ids: list[int], salt: bytes = b"") -> Sequence:
+    _next[0] += 1
+    req = Request(f"r{_next[0]}", list(token_ids), SamplingParams(), extra_keys=salt)
+    seq = Sequence(_next[0], req, 0, list(token_ids))
+    req.sequences.append(seq)
+    return seq
+
+
+def make_engine(
+    num_blocks: int = 64,
+    block_size: int = 16,
+    vocab: int = 1000,
+    max_model_len: int = 4096,
+    eos: tuple[int, ...] = (),
+    **cfg,
+) -> tuple[EngineCore, SimWorker]:
+    worker = SimWorker(num_blocks, block_size, vocab, max_model_len, eos)
+    return EngineCore(worker, SchedulerConfig(**cfg), check_invariants=True), worker
