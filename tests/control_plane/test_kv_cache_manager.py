@@ -29,7 +29,7 @@ def test_35_token_prompt_takes_3_blocks_and_crossing_48_takes_exactly_one_more()
     _prefill(kv, seq)
     assert len(kv.tables[seq.seq_id]) == 3
     assert kv.pool.num_free_blocks == 31 - 3
-    for pos in range(35, 48):  # fill up to position 47
+    for _ in range(35, 48):  # fill positions 35..47
         _decode(kv, seq, 7)
         assert len(kv.tables[seq.seq_id]) == 3
     alloc = _decode(kv, seq, 7)  # position 48 starts block 4
