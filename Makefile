@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV ?= .venv
 VENV_FLAGS ?=
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= worker,cuda,test
+EXTRAS ?= worker,test
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.installed-stamp
@@ -32,13 +32,14 @@ setup: $(STAMP) $(PROTO_STAMP)
 # Generated code is never committed and never edited by hand.
 $(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
 	mkdir -p pagedkv/v1
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+	$(if $(PROTO_SRC),$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC))
 	touch pagedkv/v1/__init__.py $@
 
 proto: $(PROTO_STAMP)
 
+# Until the gRPC services land, the main job is the in-process control-plane demo.
 run: setup
-	$(BIN)/pagedkv serve $(ARGS)
+	$(PY) -m control_plane.demo $(ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
