@@ -1,0 +1,22 @@
+"""The generated protocol code imports and round-trips a plan (make proto generated it)."""
+
+from pagedkv.v1 import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+
+def test_worker_plan_round_trips():
+    plan = worker_pb2.Plan(step_id=3, finished=[9])
+    plan.new.add(seq_id=1, block_ids=[4, 5], token_ids=[1, 2, 3], start_pos=0, sample=True, num_samples=2)
+    plan.continuing.add(seq_id=2, new_block_ids=[7], token_ids=[42], start_pos=31, sample=True)
+    plan.continuing[0].replaced.add(index=1, block_id=8)
+    plan.copies.add(src=6, dst=8)
+    again = worker_pb2.Plan.FromString(plan.SerializeToString())
+    assert again == plan and again.continuing[0].replaced[0].block_id == 8
+    assert hasattr(worker_pb2_grpc, "WorkerStub")
+
+
+def test_engine_request_prompt_is_a_oneof():
+    req = engine_pb2.GenerateRequest(text="hi")
+    req.token_ids.ids.extend([1, 2])
+    assert req.WhichOneof("prompt") == "token_ids"
+    assert engine_pb2.FinishReason.Name(2) == "FINISH_REASON_LENGTH"
+    assert hasattr(engine_pb2_grpc, "EngineStub")
