@@ -1,0 +1,101 @@
+"""The reference attention backend: plain torch, simple and exact.
+
+It is the oracle the CUDA kernels are checked against, so clarity beats speed here:
+  - write_kv scatters by slot into a flat view of the pool;
+  - paged_attention gathers each sequence's blocks through its block table into a dense
+    [seq_len, kv_heads, head_dim] context, then runs `attention_over_context` in fp32;
+  - copy_blocks reads all sources before writing any destination.
+
+`attention_over_context` is shared with the contiguous layout (worker.kv_cache), which
+slices the same dense context straight out of its row: identical inputs, identical
+reduction order, hence bit-identical fp32 results between paged and contiguous KV.
+The ops are device-agnostic torch, so they also run (slowly) on a CUDA tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from worker.backends.base import AttentionBackend
+
+__all__ = ["AttentionBackend", "CpuAttentionBackend", "attention_over_context"]
+
+
+def attention_over_context(query: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+    """Causal softmax attention of one sequence's query tokens over its whole context.
+
+    query [q_len, num_heads, head_dim]; keys/values [seq_len, num_kv_heads, head_dim] hold
+    positions 0..seq_len-1, and the queries are the last q_len of those positions. Computed in
+    fp32; returns [q_len, num_heads, head_dim] in the query dtype.
+
+    GQA without copying K/V: the `group` query heads that share a kv head are folded into
+    the row dimension of one batched matmul per kv head.
+    """
+    q_len, num_heads, head_dim = query.shape
+    seq_len, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    # [kv_heads, group * q_len, head_dim]: rows ordered (query head within group, token).
+    q = query.float().reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    q = q.reshape(num_kv_heads, group * q_len, head_dim)
+    k = keys.float().permute(1, 2, 0)  # [kv_heads, head_dim, seq_len]
+    v = values.float().permute(1, 0, 2)  # [kv_heads, seq_len, head_dim]
+    scores = torch.bmm(q, k).mul_(scale).view(num_kv_heads, group, q_len, seq_len)
+    if q_len > 1:
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        key_pos = torch.arange(seq_len, device=query.device)
+        scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, seq_len)
+    out = torch.bmm(probs, v).view(num_kv_heads, group, q_len, head_dim)
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(query.dtype)
+
+
+class CpuAttentionBackend:
+    """Implements worker.backends.base.AttentionBackend with torch reference ops."""
+
+    name = "cpu"
+
+    def write_kv(
+        self, k_cache: Tensor, v_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor
+    ) -> None:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+        _, _, num_kv_heads, head_dim = k_cache.shape
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+    def paged_attention(
+        self,
+        query: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        query_start_loc: Tensor,
+        scale: float,
+        max_query_len: int,
+        max_seq_len: int,
+    ) -> Tensor:
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        output = torch.empty_like(query)
+        starts = query_start_loc.tolist()
+        for s, seq_len in enumerate(seq_lens.tolist()):
+            q_begin, q_end = starts[s], starts[s + 1]
+            if q_end == q_begin:
+                continue
+            num_blocks = -(-seq_len // block_size)
+            blocks = block_tables[s, :num_blocks].long()
+            keys = k_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)
+            values = v_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)
+            output[q_begin:q_end] = attention_over_context(
+                query[q_begin:q_end], keys[:seq_len], values[:seq_len], scale
+            )
+        return output
+
+    def copy_blocks(self, k_caches: list[Tensor], v_caches: list[Tensor], block_pairs: Tensor) -> None:
+        if block_pairs.numel() == 0:
+            return
+        src, dst = block_pairs[:, 0], block_pairs[:, 1]
+        for cache in (*k_caches, *v_caches):
+            cache.index_copy_(0, dst, cache.index_select(0, src))

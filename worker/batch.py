@@ -1,0 +1,136 @@
+"""Flattening one step's sequences into the tensors the model and attention kernels read.
+
+All sequences' tokens are concatenated into one varlen batch of T tokens (no padding):
+
+    seq:              0 0 0 0 0 | 1 | 2 2 2          query_start_loc = [0, 5, 6, 9]
+    positions:        0 1 2 3 4 | 9 | 16 17 18       seq_lens        = [5, 10, 19]
+                      (prefill)  (decode) (chunk starting at 16: attends to 0..18)
+
+Slots are derived here from each sequence's table, never sent by the control plane:
+
+    slot = table[pos // block_size] * block_size + pos % block_size
+
+The block table is padded to a common width with the null block (0); only the first
+ceil(seq_len / block_size) entries of a row are ever read. The contiguous layout reuses all
+of this with a one-entry table [row] and block_size = max_model_len (a row is one big block).
+
+This module is pure host-side preparation so that a CUDA graph runner can fill its static
+buffers from the same arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from control_plane.plan import NULL_BLOCK_ID
+
+
+@dataclass(slots=True, frozen=True)
+class ScheduledSequence:
+    """One sequence's share of a step, already in the KV layout's addressing."""
+
+    table: Sequence[int]  # physical table: block ids (paged) or [row] (contiguous)
+    token_ids: Sequence[int]
+    start_pos: int  # position of token_ids[0]; positions < start_pos are already cached
+    sample: bool  # produce logits for the last token
+
+    @property
+    def seq_len(self) -> int:
+        """Context length including this step's tokens."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What `AttentionBackend.write_kv` / `paged_attention` read; see worker.backends.base."""
+
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [S, width], padded with the null block
+    seq_lens: torch.Tensor  # int32 [S], including this step's tokens
+    query_start_loc: torch.Tensor  # int32 [S + 1], cumulative query lengths
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    attention: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [number of sampling sequences]: last token of each
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def build_model_inputs(
+    seqs: Sequence[ScheduledSequence],
+    block_size: int,
+    device: torch.device | str,
+    block_table_width: int | None = None,
+) -> ModelInputs:
+    """Build the flattened batch. Inputs are assumed validated (tables cover every position).
+
+    `block_table_width` pads the table to a fixed width (a CUDA graph's static buffer);
+    by default it is the widest table the batch needs.
+    """
+    if not seqs:
+        raise ValueError("build_model_inputs needs at least one scheduled sequence")
+    query_lens = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
+    seq_lens = np.array([s.seq_len for s in seqs], dtype=np.int64)
+    query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+
+    input_ids = np.concatenate([np.asarray(s.token_ids, dtype=np.int64) for s in seqs])
+    positions = np.concatenate([np.arange(s.start_pos, s.seq_len, dtype=np.int64) for s in seqs])
+    slot_mapping = np.concatenate([_slots(s, block_size) for s in seqs])
+    block_tables = _padded_block_tables(seqs, seq_lens, block_size, block_table_width)
+    logits_indices = query_start_loc[1:][[s.sample for s in seqs]] - 1
+
+    def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(array).to(device=device, dtype=dtype)
+
+    attention = AttentionMetadata(
+        slot_mapping=to_device(slot_mapping, torch.int64),
+        block_tables=to_device(block_tables, torch.int32),
+        seq_lens=to_device(seq_lens, torch.int32),
+        query_start_loc=to_device(query_start_loc, torch.int32),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return ModelInputs(
+        input_ids=to_device(input_ids, torch.int64),
+        positions=to_device(positions, torch.int64),
+        attention=attention,
+        logits_indices=to_device(logits_indices, torch.int64),
+    )
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def _slots(seq: ScheduledSequence, block_size: int) -> np.ndarray:
+    positions = np.arange(seq.start_pos, seq.seq_len, dtype=np.int64)
+    table = np.asarray(seq.table, dtype=np.int64)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def _padded_block_tables(
+    seqs: Sequence[ScheduledSequence], seq_lens: np.ndarray, block_size: int, width: int | None
+) -> np.ndarray:
+    needed = [blocks_needed(int(n), block_size) for n in seq_lens]
+    width = max(needed) if width is None else width
+    if width < max(needed):
+        raise ValueError(
+            f"block_table_width {width} is narrower than the {max(needed)} blocks a sequence needs"
+        )
+    tables = np.full((len(seqs), width), NULL_BLOCK_ID, dtype=np.int64)
+    for row, (seq, n) in enumerate(zip(seqs, needed, strict=True)):
+        tables[row, :n] = seq.table[:n]
+    return tables

@@ -1,0 +1,230 @@
+"""The physical KV memory: the paged pool, and the contiguous baseline.
+
+Paged (the real thing), one K and one V pool per layer:
+
+    k_caches[layer]  [num_blocks, block_size, num_kv_heads, head_dim]
+                      ^ block id: the same id names the same slot range in every layer,
+                        so a sequence has one block table, not one per layer.
+    block 0 = the null block: never handed to a sequence; padded table entries point at it.
+
+Contiguous (the baseline `--kv-layout contiguous`), one row of max_model_len tokens per
+live sequence, reserved whole when the sequence is registered:
+
+    k_caches[layer]  [num_rows, max_model_len, num_kv_heads, head_dim]
+
+A contiguous row is addressed exactly like one block of size max_model_len (table = [row]),
+so batch preparation and KV writes are shared; attention slices the row instead of
+gathering through a table. It cannot share KV between sequences, so prefix hits and
+copy-on-write are refused by plan validation. It reports enough "blocks" for
+num_rows * max_model_len tokens (+ the null block) so the control plane's accounting works,
+and `max_concurrent_seqs = num_rows` so it never schedules more sequences than rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from control_plane.plan import KVLayout
+from worker.backends.base import AttentionBackend
+from worker.backends.cpu import CpuAttentionBackend, attention_over_context
+from worker.batch import AttentionMetadata, blocks_needed
+from worker.errors import WorkerConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """Per-token and per-block memory of the KV cache of one model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """2 (K and V) * layers * kv_heads * head_dim * dtype bytes * block_size."""
+        return self.bytes_per_token * self.block_size
+
+
+class KVCache(Protocol):
+    """What the model and the worker need from either layout."""
+
+    layout: KVLayout
+    addressing_block_size: int  # block_size (paged) or max_model_len (contiguous row)
+    reported_num_blocks: int  # WorkerInfo.num_blocks, including the null block
+    max_concurrent_seqs: int  # 0 = no limit
+    num_free_rows: int  # contiguous rows not assigned to a sequence (0 for the paged layout)
+
+    def physical_table(self, seq_id: int, block_ids: Sequence[int]) -> Sequence[int]: ...
+    def register(self, seq_id: int) -> None: ...
+    def release(self, seq_id: int) -> None: ...
+    def reset(self) -> None: ...
+    def write(self, layer: int, key: Tensor, value: Tensor, meta: AttentionMetadata) -> None: ...
+    def attend(self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float) -> Tensor: ...
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+
+class PagedKVCache:
+    layout = KVLayout.PAGED
+
+    def __init__(
+        self, spec: KVCacheSpec, num_blocks: int, backend: AttentionBackend, device: torch.device | str
+    ) -> None:
+        if num_blocks < 2:
+            raise WorkerConfigError(
+                f"the paged KV pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}; "
+                "raise the KV cache memory or num_blocks"
+            )
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.spec = spec
+        self.backend = backend
+        self.device = torch.device(device)
+        self.k_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.addressing_block_size = spec.block_size
+        self.reported_num_blocks = num_blocks
+        self.max_concurrent_seqs = 0
+        self.num_free_rows = 0  # no rows: sequences own only the blocks the plan gives them
+
+    def physical_table(self, seq_id: int, block_ids: Sequence[int]) -> Sequence[int]:
+        return block_ids
+
+    def register(self, seq_id: int) -> None:
+        """Paged sequences own only the blocks the plan gives them: nothing to reserve."""
+
+    def release(self, seq_id: int) -> None:
+        """Blocks are freed by the control plane; nothing to do here."""
+
+    def reset(self) -> None:
+        """Nothing is owned per sequence."""
+
+    def write(self, layer: int, key: Tensor, value: Tensor, meta: AttentionMetadata) -> None:
+        self.backend.write_kv(self.k_caches[layer], self.v_caches[layer], key, value, meta.slot_mapping)
+
+    def attend(self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        return self.backend.paged_attention(
+            query,
+            self.k_caches[layer],
+            self.v_caches[layer],
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scale,
+            meta.max_query_len,
+            meta.max_seq_len,
+        )
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs:
+            block_pairs = torch.tensor(pairs, dtype=torch.int64, device=self.device)
+            self.backend.copy_blocks(self.k_caches, self.v_caches, block_pairs)
+
+
+class ContiguousKVCache:
+    """Max-length rows, one per live sequence: the memory-hungry baseline paging is compared to.
+
+    NOTE: its attention is the torch reference (`attention_over_context` on a row slice) on
+    every device; KV writes use the reference scatter. On CUDA this measures torch ops, not
+    kernels, until a backend supplies a contiguous kernel.
+    """
+
+    layout = KVLayout.CONTIGUOUS
+
+    def __init__(
+        self, spec: KVCacheSpec, num_rows: int, max_model_len: int, device: torch.device | str
+    ) -> None:
+        if num_rows < 1:
+            raise WorkerConfigError(
+                f"the contiguous KV layout needs room for at least one {max_model_len}-token row "
+                f"({spec.bytes_per_token * max_model_len} bytes); raise the KV cache memory or "
+                "lower max_model_len"
+            )
+        shape = (num_rows, max_model_len, spec.num_kv_heads, spec.head_dim)
+        self.spec = spec
+        self.k_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.addressing_block_size = max_model_len
+        self.reported_num_blocks = blocks_needed(num_rows * max_model_len, spec.block_size) + 1
+        self.max_concurrent_seqs = num_rows
+        self._reference_ops = CpuAttentionBackend()
+        self._free_rows = list(range(num_rows - 1, -1, -1))  # a stack: row 0 is handed out first
+        self._row_of: dict[int, int] = {}
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def physical_table(self, seq_id: int, block_ids: Sequence[int]) -> Sequence[int]:
+        return (self._row_of[seq_id],)
+
+    def register(self, seq_id: int) -> None:
+        if not self._free_rows:
+            raise AssertionError("no free contiguous row: plan validation should have refused this plan")
+        self._row_of[seq_id] = self._free_rows.pop()
+
+    def release(self, seq_id: int) -> None:
+        self._free_rows.append(self._row_of.pop(seq_id))
+
+    def reset(self) -> None:
+        for seq_id in list(self._row_of):
+            self.release(seq_id)
+
+    def write(self, layer: int, key: Tensor, value: Tensor, meta: AttentionMetadata) -> None:
+        self._reference_ops.write_kv(
+            self.k_caches[layer], self.v_caches[layer], key, value, meta.slot_mapping
+        )
+
+    def attend(self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        output = torch.empty_like(query)
+        starts = meta.query_start_loc.tolist()
+        rows = meta.block_tables[:, 0].tolist()
+        for s, seq_len in enumerate(meta.seq_lens.tolist()):
+            q_begin, q_end = starts[s], starts[s + 1]
+            if q_end > q_begin:
+                row = rows[s]
+                output[q_begin:q_end] = attention_over_context(
+                    query[q_begin:q_end], k_cache[row, :seq_len], v_cache[row, :seq_len], scale
+                )
+        return output
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if pairs:
+            raise AssertionError("the contiguous KV layout cannot copy blocks: plan validation refuses this")
+
+
+def create_kv_cache(
+    spec: KVCacheSpec,
+    layout: KVLayout,
+    backend: AttentionBackend,
+    device: torch.device | str,
+    max_model_len: int,
+    num_blocks: int | None,
+    memory_bytes: int,
+) -> PagedKVCache | ContiguousKVCache:
+    """Size and allocate the cache: an explicit `num_blocks` wins, else `memory_bytes`.
+
+    paged:      num_blocks = memory_bytes // bytes_per_block
+    contiguous: rows = memory_bytes // (bytes_per_token * max_model_len); with an explicit
+                num_blocks, as many rows as the same number of paged blocks would hold, so
+                the two layouts compare at an equal KV budget.
+    """
+    if layout == KVLayout.PAGED:
+        blocks = num_blocks if num_blocks is not None else memory_bytes // spec.bytes_per_block
+        return PagedKVCache(spec, blocks, backend, device)
+    if num_blocks is not None:
+        rows = max(num_blocks - 1, 0) * spec.block_size // max_model_len
+    else:
+        rows = memory_bytes // (spec.bytes_per_token * max_model_len)
+    return ContiguousKVCache(spec, rows, max_model_len, device)

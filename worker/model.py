@@ -1,0 +1,164 @@
+"""One decoder-only transformer covering Llama, Qwen2 and Qwen3 (see worker.model_config).
+
+Per layer, on a flattened varlen batch of T tokens (worker.batch):
+
+    x ── RMSNorm ── q/k/v proj ── [q/k RMSNorm per head] ── RoPE ──┬─ write K/V by slot
+                                                                    └─ attend over the cache ── o_proj ──(+x)
+      ── RMSNorm ── down(silu(gate(h)) * up(h)) ──(+)
+
+Attention reads K/V only from the cache (after this step's tokens are written), so a prefill
+chunk sees the cached prefix plus itself and a decode token sees the whole context; which
+memory layout holds the cache and which kernels run is the `KVCache`'s business.
+
+Module and parameter names follow the Hugging Face checkpoints (`model.layers.N.self_attn.
+q_proj.weight`, ...) so a checkpoint loads by name with no mapping table.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from worker.batch import AttentionMetadata
+from worker.kv_cache import KVCache
+from worker.model_config import ModelConfig
+from worker.rotary import RotaryEmbedding, apply_rotary
+from worker.weights import load_tensors
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, normalized in fp32 and cast back before the weight (as the
+    reference implementation does, which matters for fp16/bf16 checkpoints)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        hidden = config.hidden_size
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> Tensor:
+        num_tokens = x.shape[0]
+        query = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        key = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        kv_cache.write(self.layer, key, value, meta)
+        attended = kv_cache.attend(self.layer, query, meta, self.scale)
+        return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, layers, final norm: the checkpoint's `model.*` tensors."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The served model. Build it with `CausalLM.from_checkpoint`; call under inference_mode."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        # Tied checkpoints have no lm_head tensor: logits reuse the embedding matrix.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rotary: RotaryEmbedding | None = None
+
+    @classmethod
+    def from_checkpoint(
+        cls, model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str
+    ) -> CausalLM:
+        """Load weights without first allocating random ones: the module is built on the meta
+        device, the checkpoint supplies every parameter (checked by name and shape)."""
+        with torch.device("meta"):
+            model = cls(config)
+        tensors = load_tensors(model_dir, model.expected_tensor_shapes(), dtype, device)
+        model.load_state_dict(tensors, strict=True, assign=True)
+        model.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
+        return model.eval()
+
+    def expected_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(t.shape) for name, t in self.state_dict().items()}
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> Tensor:
+        """Final-norm hidden states [T, hidden] for a flattened batch; writes this step's K/V."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """fp32 logits [N, vocab] for the rows of `hidden` that sample (never the whole batch)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

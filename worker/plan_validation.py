@@ -1,0 +1,280 @@
+"""Whole-plan validation, run before the worker touches any state.
+
+A plan is checked against the worker's geometry (`PlanLimits`) and its mirrored tables as
+they will be after the plan's own order of operations (drop `finished`, register `new`,
+apply `continuing` deltas). Any violation raises `PlanError` naming the step, the sequence
+and what to fix; a rejected plan changes nothing (the worker validates, then mutates).
+
+Checked:
+  - ids: finished/continuing ids are live; no id twice; a new id is not live (unless it is
+    also finished in this plan, i.e. dropped first);
+  - tokens: non-empty, every id < vocab_size, start_pos >= 0, end <= max_model_len;
+  - tables: block ids in [1, num_blocks) (block 0 is the null block), no more than
+    ceil(max_model_len / block_size) entries, covering every position written this step;
+  - continuing: `replaced` indices inside the current table and distinct, start_pos not
+    beyond the tokens already computed (a gap would attend to never-written K/V);
+  - new: num_samples >= 1, sample_index >= 0, sampling parameters valid;
+  - copies: ids in range, src != dst, each dst once, no block both a source and a destination
+    (the result would depend on copy order);
+  - no write into a block that more than one live table references after this plan
+    (copy-on-write must come first, DESIGN §4);
+  - contiguous layout: no prefix hits (start_pos > 0 on a new sequence), no copies or
+    replacements, no more new sequences than free rows.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from control_plane.plan import NULL_BLOCK_ID, ContinuingSequence, NewSequence, Plan
+from worker.errors import PlanError
+from worker.sequence_mirror import SequenceMirrors
+
+_ANY_N = 1 << 30  # the worker does not bound n; the control plane's admission does
+
+_NO_SHARING_HINT = (
+    "the contiguous KV layout cannot share KV between sequences; "
+    "start the control plane with --no-prefix-caching / n=1"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanLimits:
+    """The worker geometry a plan must respect."""
+
+    num_blocks: int  # valid block ids are 1 .. num_blocks - 1
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    contiguous: bool = False
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+def validate_plan(plan: Plan, mirrors: SequenceMirrors, limits: PlanLimits, free_rows: int = 0) -> None:
+    """Raise PlanError if `plan` cannot be executed exactly as written. `free_rows` is the
+    contiguous layout's number of unassigned rows (ignored for the paged layout)."""
+    check = _PlanChecker(plan, mirrors, limits)
+    check.sequence_ids()
+    tables = {seq.seq_id: check.new_sequence(seq) for seq in plan.new}
+    tables |= {seq.seq_id: check.continuing_sequence(seq) for seq in plan.continuing}
+    check.copies()
+    if limits.contiguous:
+        check.contiguous_rules(free_rows)
+    check.no_writes_into_shared_blocks(tables)
+
+
+class _PlanChecker:
+    def __init__(self, plan: Plan, mirrors: SequenceMirrors, limits: PlanLimits) -> None:
+        self.plan = plan
+        self.mirrors = mirrors
+        self.limits = limits
+
+    def fail(self, message: str, seq_id: int | None = None) -> PlanError:
+        where = f"plan {self.plan.step_id}" + ("" if seq_id is None else f", sequence {seq_id}")
+        return PlanError(f"{where}: {message}")
+
+    def sequence_ids(self) -> None:
+        plan = self.plan
+        finished = set(plan.finished)
+        if len(finished) != len(plan.finished):
+            dup = _first_duplicate(plan.finished)
+            raise self.fail("listed twice in finished", dup)
+        for seq_id in plan.finished:
+            if seq_id not in self.mirrors:
+                raise self.fail("finished, but the worker has no such sequence", seq_id)
+        scheduled = [s.seq_id for s in plan.new] + [s.seq_id for s in plan.continuing]
+        if len(set(scheduled)) != len(scheduled):
+            raise self.fail("scheduled more than once in this plan", _first_duplicate(scheduled))
+        for seq in plan.new:
+            if seq.seq_id in self.mirrors and seq.seq_id not in finished:
+                raise self.fail(
+                    "sent as new, but the worker already has it (send it as continuing)", seq.seq_id
+                )
+        for seq in plan.continuing:
+            if seq.seq_id not in self.mirrors:
+                raise self.fail("sent as continuing, but the worker has no such sequence", seq.seq_id)
+            if seq.seq_id in finished:
+                raise self.fail("both finished and continuing in the same plan", seq.seq_id)
+
+    def new_sequence(self, seq: NewSequence) -> Sequence[int]:
+        """Check a new sequence; return its table as it will be after the plan."""
+        self.tokens(seq.seq_id, seq.token_ids, seq.start_pos)
+        if seq.num_samples < 1:
+            raise self.fail(f"num_samples must be >= 1, got {seq.num_samples}", seq.seq_id)
+        if seq.sample_index < 0:
+            raise self.fail(f"sample_index must be >= 0, got {seq.sample_index}", seq.seq_id)
+        try:
+            seq.sampling.validate(max_n=max(_ANY_N, seq.sampling.n))
+        except ValueError as exc:
+            raise self.fail(f"invalid sampling parameters: {exc}", seq.seq_id) from exc
+        self.block_ids(seq.seq_id, seq.block_ids, "block_ids")
+        if len(set(seq.block_ids)) != len(seq.block_ids):
+            dup = _first_duplicate(seq.block_ids)
+            raise self.fail(f"block table lists block {dup} twice", seq.seq_id)
+        self.table_capacity(seq.seq_id, len(seq.block_ids), seq.start_pos + len(seq.token_ids))
+        return seq.block_ids
+
+    def continuing_sequence(self, seq: ContinuingSequence) -> _TableAfterDelta:
+        """Check a continuing sequence's delta; return its table as it will be after the plan."""
+        mirror = self.mirrors[seq.seq_id]
+        self.tokens(seq.seq_id, seq.token_ids, seq.start_pos)
+        if seq.start_pos > mirror.num_computed_tokens:
+            raise self.fail(
+                f"start_pos {seq.start_pos} skips positions: only {mirror.num_computed_tokens} tokens "
+                "are computed, so positions in between would hold no K/V",
+                seq.seq_id,
+            )
+        indices = [index for index, _ in seq.replaced]
+        if len(set(indices)) != len(indices):
+            raise self.fail(f"replaced lists table index {_first_duplicate(indices)} twice", seq.seq_id)
+        for index in indices:
+            if not 0 <= index < len(mirror.block_ids):
+                raise self.fail(
+                    f"replaced index {index} is outside its table of {len(mirror.block_ids)} blocks",
+                    seq.seq_id,
+                )
+        self.block_ids(seq.seq_id, [block for _, block in seq.replaced], "replaced")
+        self.block_ids(seq.seq_id, seq.new_block_ids, "new_block_ids")
+        table = _TableAfterDelta(mirror.block_ids, dict(seq.replaced), seq.new_block_ids)
+        self.table_capacity(seq.seq_id, len(table), seq.start_pos + len(seq.token_ids))
+        return table
+
+    def tokens(self, seq_id: int, token_ids: Sequence[int], start_pos: int) -> None:
+        if not token_ids:
+            raise self.fail("has no tokens to compute (token_ids is empty)", seq_id)
+        vocab = self.limits.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            bad = next(t for t in token_ids if not 0 <= t < vocab)
+            raise self.fail(f"token id {bad} is outside the vocabulary [0, {vocab})", seq_id)
+        if start_pos < 0:
+            raise self.fail(f"start_pos must be >= 0, got {start_pos}", seq_id)
+        end = start_pos + len(token_ids)
+        if end > self.limits.max_model_len:
+            raise self.fail(
+                f"positions {start_pos}..{end - 1} exceed max_model_len {self.limits.max_model_len}", seq_id
+            )
+
+    def block_ids(self, seq_id: int, block_ids: Sequence[int], field: str) -> None:
+        for block_id in block_ids:
+            if block_id == NULL_BLOCK_ID:
+                raise self.fail(f"{field} holds the null block 0, which is never given to a sequence", seq_id)
+            if not 0 < block_id < self.limits.num_blocks:
+                raise self.fail(
+                    f"{field} holds block {block_id}, outside the pool [1, {self.limits.num_blocks})", seq_id
+                )
+
+    def table_capacity(self, seq_id: int, num_table_blocks: int, end: int) -> None:
+        limits = self.limits
+        if num_table_blocks > limits.max_blocks_per_seq:
+            raise self.fail(
+                f"table of {num_table_blocks} blocks exceeds the {limits.max_blocks_per_seq} that "
+                f"max_model_len {limits.max_model_len} needs",
+                seq_id,
+            )
+        if num_table_blocks * limits.block_size < end:
+            raise self.fail(
+                f"table of {num_table_blocks} blocks ({num_table_blocks * limits.block_size} slots) "
+                f"cannot hold positions up to {end - 1}",
+                seq_id,
+            )
+
+    def copies(self) -> None:
+        pairs = self.plan.copies
+        for src, dst in pairs:
+            self.block_ids_in_copy(src, dst)
+        destinations = [dst for _, dst in pairs]
+        if len(set(destinations)) != len(destinations):
+            raise self.fail(f"copies write block {_first_duplicate(destinations)} more than once")
+        both = {src for src, _ in pairs} & set(destinations)
+        if both:
+            raise self.fail(f"block {min(both)} is both a copy source and a copy destination")
+
+    def block_ids_in_copy(self, src: int, dst: int) -> None:
+        for block_id in (src, dst):
+            if not 0 < block_id < self.limits.num_blocks:
+                raise self.fail(
+                    f"copy ({src} -> {dst}) names block {block_id}, "
+                    f"outside the pool [1, {self.limits.num_blocks})"
+                )
+        if src == dst:
+            raise self.fail(f"copy ({src} -> {dst}) copies a block onto itself")
+
+    def contiguous_rules(self, free_rows: int) -> None:
+        if self.plan.copies:
+            raise self.fail(f"has block copies: {_NO_SHARING_HINT}")
+        for seq in self.plan.new:
+            if seq.start_pos > 0:
+                raise self.fail(
+                    f"starts at position {seq.start_pos} (a prefix hit): {_NO_SHARING_HINT}", seq.seq_id
+                )
+        for seq in self.plan.continuing:
+            if seq.replaced:
+                raise self.fail(f"has copy-on-write replacements: {_NO_SHARING_HINT}", seq.seq_id)
+        available = free_rows + len(self.plan.finished)
+        if len(self.plan.new) > available:
+            raise self.fail(
+                f"registers {len(self.plan.new)} new sequences but the contiguous layout has only "
+                f"{available} free rows; respect WorkerInfo.max_concurrent_seqs"
+            )
+
+    def no_writes_into_shared_blocks(self, tables: dict[int, Sequence[int] | _TableAfterDelta]) -> None:
+        refs_delta = self.refs_delta()
+        block_size = self.limits.block_size
+        for seq in (*self.plan.new, *self.plan.continuing):
+            table = tables[seq.seq_id]
+            first, last = seq.start_pos // block_size, (seq.start_pos + len(seq.token_ids) - 1) // block_size
+            for index in range(first, last + 1):
+                block_id = table[index]
+                refs = self.mirrors.block_refs(block_id) + refs_delta[block_id]
+                if refs > 1:
+                    raise self.fail(
+                        f"writes into block {block_id}, which {refs} sequences' tables reference after this "
+                        "plan; copy-on-write it first (copies + a replaced/new table entry)",
+                        seq.seq_id,
+                    )
+
+    def refs_delta(self) -> Counter[int]:
+        """Change in per-block table references that the plan's table operations make."""
+        delta: Counter[int] = Counter()
+        for seq_id in self.plan.finished:
+            delta.subtract(self.mirrors[seq_id].block_ids)
+        for seq in self.plan.new:
+            delta.update(seq.block_ids)
+        for seq in self.plan.continuing:
+            old = self.mirrors[seq.seq_id].block_ids
+            delta.subtract(old[index] for index, _ in seq.replaced)
+            delta.update(block for _, block in seq.replaced)
+            delta.update(seq.new_block_ids)
+        return delta
+
+
+class _TableAfterDelta:
+    """Read-only view of a mirrored table with a delta applied, without copying the table
+    (validation cost grows with the plan, not with context length)."""
+
+    __slots__ = ("_old", "_replaced", "_appended")
+
+    def __init__(self, old: list[int], replaced: dict[int, int], appended: list[int]) -> None:
+        self._old, self._replaced, self._appended = old, replaced, appended
+
+    def __len__(self) -> int:
+        return len(self._old) + len(self._appended)
+
+    def __getitem__(self, index: int) -> int:
+        if index >= len(self._old):
+            return self._appended[index - len(self._old)]
+        return self._replaced.get(index, self._old[index])
+
+
+def _first_duplicate(values: Sequence[int]) -> int:
+    seen: set[int] = set()
+    for value in values:
+        if value in seen:
+            return value
+        seen.add(value)
+    raise ValueError("no duplicate")

@@ -1,0 +1,93 @@
+"""The worker's mirror of every live sequence's block table, kept in sync by plan diffs.
+
+The control plane owns the tables; the worker holds a copy so a decode step's plan carries
+only what changed (appended blocks, copy-on-write replacements), never the whole table.
+Alongside the tables the mirror counts, per block id, how many live tables reference it;
+plan validation uses that to refuse a write into a block another sequence still reads
+(the DESIGN §4 invariant: such a write must be preceded by copy-on-write in the same plan).
+
+Mutations happen only after a plan validated (worker.plan_validation), so every method
+here may assume its input is consistent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from control_plane.plan import ContinuingSequence, NewSequence, SamplingParams
+
+
+@dataclass(slots=True)
+class SequenceMirror:
+    seq_id: int
+    block_ids: list[int]
+    sampling: SamplingParams
+    sample_index: int
+    num_computed_tokens: int  # positions [0, n) hold this sequence's K/V once the step runs
+
+
+class SequenceMirrors:
+    """seq id -> SequenceMirror, plus block id -> number of live tables referencing it."""
+
+    def __init__(self) -> None:
+        self._seqs: dict[int, SequenceMirror] = {}
+        self._block_refs: Counter[int] = Counter()
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __iter__(self) -> Iterator[SequenceMirror]:
+        return iter(self._seqs.values())
+
+    def get(self, seq_id: int) -> SequenceMirror | None:
+        return self._seqs.get(seq_id)
+
+    def __getitem__(self, seq_id: int) -> SequenceMirror:
+        return self._seqs[seq_id]
+
+    def block_refs(self, block_id: int) -> int:
+        """How many live tables reference `block_id` (before the plan being validated)."""
+        return self._block_refs[block_id]
+
+    def register(self, seq: NewSequence) -> SequenceMirror:
+        mirror = SequenceMirror(
+            seq_id=seq.seq_id,
+            block_ids=list(seq.block_ids),
+            sampling=seq.sampling,
+            sample_index=seq.sample_index,
+            num_computed_tokens=seq.start_pos + len(seq.token_ids),
+        )
+        self._seqs[seq.seq_id] = mirror
+        self._block_refs.update(mirror.block_ids)
+        return mirror
+
+    def apply_delta(self, seq: ContinuingSequence) -> SequenceMirror:
+        """`replaced` entries first, then `new_block_ids` appended (plan.py's order)."""
+        mirror = self._seqs[seq.seq_id]
+        table = mirror.block_ids
+        for index, block_id in seq.replaced:
+            self._unref(table[index])
+            table[index] = block_id
+            self._block_refs[block_id] += 1
+        table.extend(seq.new_block_ids)
+        self._block_refs.update(seq.new_block_ids)
+        mirror.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+        return mirror
+
+    def drop(self, seq_id: int) -> None:
+        for block_id in self._seqs.pop(seq_id).block_ids:
+            self._unref(block_id)
+
+    def clear(self) -> None:
+        self._seqs.clear()
+        self._block_refs.clear()
+
+    def _unref(self, block_id: int) -> None:
+        self._block_refs[block_id] -= 1
+        if self._block_refs[block_id] == 0:
+            del self._block_refs[block_id]

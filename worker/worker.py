@@ -1,0 +1,197 @@
+"""The worker: holds the weights and the KV memory, executes the control plane's plans.
+
+One `execute(plan)` follows plan.py's order of operations:
+
+    validate (whole plan; PlanError = nothing changed)
+      -> drop `finished` mirrors -> register `new` / apply `continuing` deltas
+      -> copy-on-write block copies
+      -> one forward over every scheduled token (KV written by slot, paged attention)
+      -> sample for each sequence with `sample` set -> StepResult (new first, then continuing)
+
+The worker never chooses a block id: every table entry comes from the plan. It keeps only
+mirrors of the tables (worker.sequence_mirror) so that plans can be diffs.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from control_plane.plan import KVLayout, Plan, SeqOutput, StepResult, WorkerInfo
+from worker.backends import get_backend
+from worker.batch import ScheduledSequence, build_model_inputs
+from worker.kv_cache import KVCacheSpec, create_kv_cache
+from worker.model import CausalLM
+from worker.model_config import load_model_config
+from worker.plan_validation import PlanLimits, validate_plan
+from worker.sampler import Sampler, SamplingRow
+from worker.sequence_mirror import SequenceMirrors
+from worker.worker_config import (
+    WorkerConfig,
+    default_kv_cache_memory,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_model_len,
+    resolve_model_dir,
+)
+
+
+class Worker:
+    """Not thread-safe: one plan at a time (the transport serializes Execute calls)."""
+
+    def __init__(self, config: WorkerConfig | None = None) -> None:
+        self.config = config = config or WorkerConfig()
+        config.validate()
+        self.device = resolve_device(config.device)
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_config = load_model_config(self.model_dir)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.dtype)
+        self.max_model_len = resolve_max_model_len(
+            config.max_model_len, self.model_config.max_position_embeddings
+        )
+        self.backend = get_backend(self.device)
+        self.model = CausalLM.from_checkpoint(self.model_dir, self.model_config, self.dtype, self.device)
+        self.kv_spec = KVCacheSpec(
+            num_layers=self.model_config.num_layers,
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_dim=self.model_config.head_dim,
+            dtype=self.dtype,
+            block_size=config.block_size,
+        )
+        memory = config.kv_cache_memory or default_kv_cache_memory(self.device)
+        self.kv_cache = create_kv_cache(
+            self.kv_spec,
+            config.layout,
+            self.backend,
+            self.device,
+            self.max_model_len,
+            config.num_blocks,
+            memory,
+        )
+        self.limits = PlanLimits(
+            num_blocks=self.kv_cache.reported_num_blocks,
+            block_size=config.block_size,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            contiguous=config.layout == KVLayout.CONTIGUOUS,
+        )
+        self.mirrors = SequenceMirrors()
+        self.sampler = Sampler(config.seed)
+        self.instance_id = uuid.uuid4().hex
+        self._info = self._describe()
+
+    def describe(self) -> WorkerInfo:
+        return self._info
+
+    def execute(self, plan: Plan) -> StepResult:
+        result, _ = self.execute_with_logits(plan)
+        return result
+
+    def execute_with_logits(self, plan: Plan) -> tuple[StepResult, Tensor]:
+        """`execute`, also returning the fp32 logits [outputs, vocab] the tokens were sampled
+        from (row i belongs to result.outputs[i]); for tests and backend comparisons."""
+        validate_plan(plan, self.mirrors, self.limits, self.kv_cache.num_free_rows)
+        scheduled, rows, sampled_ids = self._apply_table_changes(plan)
+        self.kv_cache.copy_blocks(plan.copies)
+        if not scheduled:
+            return StepResult(step_id=plan.step_id), torch.empty(0, self.model_config.vocab_size)
+        started = time.perf_counter()
+        inputs = build_model_inputs(scheduled, self.kv_cache.addressing_block_size, self.device)
+        with torch.inference_mode():
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            samples = self.sampler.sample(logits, rows)
+        outputs = [
+            SeqOutput(seq_id=seq_id, token_ids=sample.token_ids, logprobs=sample.logprobs)
+            for seq_id, sample in zip(sampled_ids, samples, strict=True)
+        ]
+        elapsed = time.perf_counter() - started
+        return StepResult(step_id=plan.step_id, outputs=outputs, forward_seconds=elapsed), logits
+
+    def reset(self) -> None:
+        """Forget every sequence (the control plane will resend full tables)."""
+        self.mirrors.clear()
+        self.kv_cache.reset()
+
+    def block_table(self, seq_id: int) -> tuple[int, ...]:
+        """The mirrored block table of a live sequence (debugging and tests)."""
+        return tuple(self.mirrors[seq_id].block_ids)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.mirrors)
+
+    def _apply_table_changes(
+        self, plan: Plan
+    ) -> tuple[list[ScheduledSequence], list[SamplingRow], list[int]]:
+        """Mutate the mirrors as the (validated) plan says; return the step's scheduled
+        sequences in plan order, plus a sampling row and seq id per sampling sequence."""
+        for seq_id in plan.finished:
+            self.mirrors.drop(seq_id)
+            self.kv_cache.release(seq_id)
+        scheduled: list[ScheduledSequence] = []
+        rows: list[SamplingRow] = []
+        sampled_ids: list[int] = []
+        for seq in plan.new:
+            mirror = self.mirrors.register(seq)
+            self.kv_cache.register(seq.seq_id)
+            scheduled.append(
+                self._scheduled(seq.seq_id, mirror.block_ids, seq.token_ids, seq.start_pos, seq.sample)
+            )
+            if seq.sample:
+                position = seq.start_pos + len(seq.token_ids)
+                rows.append(SamplingRow(seq.sampling, seq.sample_index, position, seq.num_samples))
+                sampled_ids.append(seq.seq_id)
+        for seq in plan.continuing:
+            mirror = self.mirrors.apply_delta(seq)
+            scheduled.append(
+                self._scheduled(seq.seq_id, mirror.block_ids, seq.token_ids, seq.start_pos, seq.sample)
+            )
+            if seq.sample:
+                position = seq.start_pos + len(seq.token_ids)
+                rows.append(SamplingRow(mirror.sampling, mirror.sample_index, position))
+                sampled_ids.append(seq.seq_id)
+        return scheduled, rows, sampled_ids
+
+    def _scheduled(
+        self, seq_id: int, block_ids: list[int], token_ids: list[int], start_pos: int, sample: bool
+    ) -> ScheduledSequence:
+        table = self.kv_cache.physical_table(seq_id, block_ids)
+        return ScheduledSequence(table=table, token_ids=token_ids, start_pos=start_pos, sample=sample)
+
+    def _describe(self) -> WorkerInfo:
+        config = self.model_config
+        tokenizer_kind, tokenizer_json = _tokenizer(self.model_dir, config.tokenizer_hint)
+        return WorkerInfo(
+            model_name=config.model_name_hint or self.model_dir.resolve().name,
+            architecture=config.architecture,
+            vocab_size=config.vocab_size,
+            max_model_len=self.max_model_len,
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."),
+            block_size=self.config.block_size,
+            num_blocks=self.kv_cache.reported_num_blocks,
+            bytes_per_block=self.kv_spec.bytes_per_block,
+            device=str(self.device),
+            instance_id=self.instance_id,
+            eos_token_ids=config.eos_token_ids,
+            kv_layout=self.config.layout,
+            max_concurrent_seqs=self.kv_cache.max_concurrent_seqs,
+            tokenizer_kind=tokenizer_kind,
+            tokenizer_json=tokenizer_json,
+        )
+
+
+def _tokenizer(model_dir: Path, hint: str | None) -> tuple[str, str]:
+    if hint == "byte":
+        return "byte", ""
+    tokenizer_path = model_dir / "tokenizer.json"
+    if tokenizer_path.is_file():
+        return "hf", tokenizer_path.read_text(encoding="utf-8")
+    return "none", ""

@@ -1,0 +1,132 @@
+"""The worker's settings and how each default is resolved.
+
+model            None -> the embedded default model (worker.default_model);
+                 "random:<preset>" -> a random-weight preset (benchmarks);
+                 otherwise a local Hugging Face checkpoint directory (never downloaded).
+device           "cpu" (reference backend) or "cuda[:N]" (kernels).
+dtype            None / "auto" -> the checkpoint's dtype; or float32 / float16 / bfloat16.
+block_size       tokens per KV block, a power of two.
+num_blocks       explicit pool size (including the null block); wins over kv_cache_memory.
+kv_cache_memory  KV budget in bytes; default 256 MiB on CPU, on CUDA a fraction of the
+                 memory left free after the weights are loaded.
+kv_layout        "paged" or "contiguous" (the baseline).
+max_model_len    cap on positions per sequence; default and ceiling: the model's
+                 max_position_embeddings.
+seed             seed of the sampler's generator for requests without their own seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from control_plane.plan import KVLayout
+from worker.default_model import default_model_dir, ensure_random_model
+from worker.errors import ModelLoadError, WorkerConfigError
+from worker.model_config import SUPPORTED_DTYPES
+
+CPU_DEFAULT_KV_MEMORY = 256 << 20
+CUDA_KV_MEMORY_FRACTION = 0.8  # of the device memory still free once the weights are loaded
+CUDA_ACTIVATION_RESERVE = 1 << 30  # left for activations, logits and the allocator's slack
+RANDOM_MODEL_PREFIX = "random:"
+KV_LAYOUTS = {"paged": KVLayout.PAGED, "contiguous": KVLayout.CONTIGUOUS}
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    kv_layout: str = "paged"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise WorkerConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise WorkerConfigError(
+                f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}"
+            )
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise WorkerConfigError(
+                f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}"
+            )
+        if self.kv_layout not in KV_LAYOUTS:
+            raise WorkerConfigError(
+                f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise WorkerConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.dtype not in (None, "auto", *SUPPORTED_DTYPES):
+            raise WorkerConfigError(
+                f"dtype must be 'auto' or one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}"
+            )
+
+    @property
+    def layout(self) -> KVLayout:
+        return KV_LAYOUTS[self.kv_layout]
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is None:
+        return default_model_dir()
+    if model.startswith(RANDOM_MODEL_PREFIX):
+        try:
+            return ensure_random_model(model.removeprefix(RANDOM_MODEL_PREFIX))
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model {model!r} is not a directory. The worker never downloads: fetch a checkpoint first, "
+            "e.g. `huggingface-cli download Qwen/Qwen3-0.6B --local-dir ./Qwen3-0.6B`, and pass its path"
+        )
+    return path
+
+
+def resolve_dtype(requested: str | None, checkpoint_dtype: str) -> torch.dtype:
+    name = checkpoint_dtype if requested in (None, "auto") else requested
+    return getattr(torch, name)
+
+
+def resolve_device(device: str) -> torch.device:
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise WorkerConfigError(f"invalid device {device!r}: {exc}") from exc
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise WorkerConfigError(f"device {device!r} requested but torch sees no CUDA device")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:
+    if requested is None:
+        return max_position_embeddings
+    if requested > max_position_embeddings:
+        raise WorkerConfigError(
+            f"max_model_len {requested} exceeds the model's max_position_embeddings {max_position_embeddings}"
+        )
+    return requested
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """Bytes for the KV pool when neither num_blocks nor kv_cache_memory is given. Call it
+    after the weights are on the device, so the free memory it sees excludes them."""
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_MEMORY
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    budget = int(free_bytes * CUDA_KV_MEMORY_FRACTION) - CUDA_ACTIVATION_RESERVE
+    if budget <= 0:
+        raise WorkerConfigError(
+            f"only {free_bytes >> 20} MiB free on {device} after loading the weights: no room for a KV cache"
+        )
+    return budget
