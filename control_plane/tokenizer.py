@@ -87,3 +87,10 @@ class IncrementalDetokenizer:
         self._prefix_len = max(self._prefix_len, len(self._ids) - 4)
         self._emitted_upto = len(self._tok.decode(self._ids[self._prefix_len :]))
         return new
+
+    def flush(self) -> str:
+        """The held-back tail, when the sample ends: an incomplete character is final now."""
+        text = self._tok.decode(self._ids[self._prefix_len :])
+        new = text[self._emitted_upto :]
+        self._emitted_upto = len(text)
+        return new

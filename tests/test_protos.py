@@ -14,9 +14,12 @@ def test_worker_plan_round_trips():
     assert hasattr(worker_pb2_grpc, "WorkerStub")
 
 
-def test_engine_request_prompt_is_a_oneof():
-    req = engine_pb2.GenerateRequest(text="hi")
-    req.token_ids.ids.extend([1, 2])
-    assert req.WhichOneof("prompt") == "token_ids"
+def test_engine_request_carries_text_or_token_ids():
+    # proto3 cannot put a repeated field in a oneof: "exactly one" is checked by the server
+    # (tests/grpc/test_errors.py).
+    req = engine_pb2.GenerateRequest.FromString(
+        engine_pb2.GenerateRequest(token_ids=[1, 2]).SerializeToString()
+    )
+    assert list(req.token_ids) == [1, 2] and req.text == ""
     assert engine_pb2.FinishReason.Name(2) == "FINISH_REASON_LENGTH"
     assert hasattr(engine_pb2_grpc, "EngineStub")

@@ -1,0 +1,130 @@
+"""pagedkv.v1.Engine messages <-> the control plane's types (public API side).
+
+Applies the API's documented defaults (`n` 0 -> 1, `top_p` 0 -> 1.0) and the checks that need
+no model knowledge (exactly one prompt form, max_tokens >= 1); everything that depends on the
+model (vocabulary, max length, pool size) is checked by the scheduler at admission.
+"""
+
+from __future__ import annotations
+
+from control_plane.errors import InvalidRequestError
+from control_plane.plan import SamplingParams, WorkerInfo
+from control_plane.request import Usage
+from control_plane.request_stream import Chunk
+from control_plane.scheduler_config import SchedulerConfig
+from control_plane.stats import SequenceTable, StatsSnapshot
+from pagedkv.v1 import engine_pb2 as pb
+
+_GenerateResponse = pb.GenerateResponse
+
+
+def decode_sampling(m: pb.SamplingParams) -> SamplingParams:
+    if m.max_tokens < 1:
+        raise InvalidRequestError("sampling.max_tokens must be >= 1 (tokens to generate per sample)")
+    return SamplingParams(
+        max_tokens=m.max_tokens,
+        temperature=m.temperature,
+        top_p=m.top_p if m.top_p != 0.0 else 1.0,
+        top_k=m.top_k,
+        seed=m.seed if m.HasField("seed") else None,
+        stop_token_ids=tuple(m.stop_token_ids),
+        stop=tuple(m.stop),
+        ignore_eos=m.ignore_eos,
+        n=m.n or 1,
+        logprobs=m.logprobs,
+    )
+
+
+def decode_prompt(m: pb.GenerateRequest) -> tuple[list[int] | None, str | None]:
+    """(token ids, text): exactly one is not None. Raises InvalidRequestError otherwise."""
+    has_text, has_ids = bool(m.text), len(m.token_ids) > 0
+    if has_text and has_ids:
+        raise InvalidRequestError("send either `text` or `token_ids`, not both")
+    if not (has_text or has_ids):
+        raise InvalidRequestError("the prompt is empty: set `text` or `token_ids`")
+    return (None, m.text) if has_text else (m.token_ids[:], None)
+
+
+def encode_chunk(request_id: str, c: Chunk) -> pb.GenerateResponse:
+    m = _GenerateResponse(request_id=request_id, index=c.index, text=c.text)
+    if c.token_ids:
+        m.token_ids.extend(c.token_ids)
+    if c.finish_reason is not None:
+        m.finish_reason = int(c.finish_reason)
+    if c.usage is not None:
+        u: Usage = c.usage
+        m.usage.prompt_tokens = u.prompt_tokens
+        m.usage.completion_tokens = u.completion_tokens
+        m.usage.cached_prompt_tokens = u.cached_prompt_tokens
+    if c.logprobs:
+        m.logprobs.extend(c.logprobs)
+    return m
+
+
+def encode_stats(
+    s: StatsSnapshot | None, *, worker_available: bool, num_live_requests: int
+) -> pb.EngineStats:
+    if s is None:  # no worker has connected yet: there is no pool
+        return pb.EngineStats(worker_available=worker_available, num_live_requests=num_live_requests)
+    return pb.EngineStats(
+        num_blocks_total=s.num_blocks_total,
+        num_blocks_free=s.num_blocks_free,
+        num_blocks_cached=s.num_blocks_cached,
+        kv_usage=s.kv_usage,
+        block_size=s.block_size,
+        blocks_allocated_total=s.blocks_allocated_total,
+        blocks_allocated_per_s=s.blocks_allocated_per_s,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+        internal_fragmentation_slots=s.internal_fragmentation_slots,
+        ref_count_histogram=s.ref_count_histogram,
+        num_preemptions=s.num_preemptions,
+        num_running=s.num_running,
+        num_waiting=s.num_waiting,
+        num_finished_requests=s.num_finished_requests,
+        num_steps=s.num_steps,
+        num_evictions=s.num_evictions,
+        worker_available=worker_available,
+        num_live_requests=num_live_requests,
+    )
+
+
+def encode_block_table(request_id: str, block_size: int, tables: list[SequenceTable]) -> pb.BlockTable:
+    return pb.BlockTable(
+        request_id=request_id,
+        block_size=block_size,
+        sequences=[
+            pb.SequenceBlockTable(
+                index=t.index,
+                block_ids=t.block_ids,
+                num_tokens=t.num_tokens,
+                num_computed_tokens=t.num_computed_tokens,
+            )
+            for t in tables
+        ],
+    )
+
+
+def encode_model_info(info: WorkerInfo, config: SchedulerConfig, max_model_len: int, max_running: int):
+    return pb.ModelInfo(
+        model_name=info.model_name,
+        architecture=info.architecture,
+        vocab_size=info.vocab_size,
+        max_model_len=max_model_len,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        dtype=info.dtype,
+        block_size=info.block_size,
+        num_blocks=info.num_blocks,
+        bytes_per_block=info.bytes_per_block,
+        kv_cache_bytes=info.num_blocks * info.bytes_per_block,
+        device=info.device,
+        kv_layout=int(info.kv_layout),
+        tokenizer=info.tokenizer_kind or "none",
+        eos_token_ids=info.eos_token_ids,
+        worker_instance_id=info.instance_id,
+        max_n=min(config.max_n, max_running),
+        max_num_seqs=max_running,
+    )

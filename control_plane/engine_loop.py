@@ -1,0 +1,390 @@
+"""The control plane's asyncio engine: one task runs every step for every live request.
+
+    Generate handlers ──submit()──▶ Scheduler ◀──┐
+    Abort / cancel   ──abort()───▶    │         │ update(plan, result)
+                                   schedule()   │
+                                      ▼         │
+                                    Plan ──await worker.execute()──▶ StepResult
+                                                                       │
+                    RequestStream queues ◀── text, stop strings ◀──────┘
+
+Concurrency model: a single event loop thread. Only the loop task calls `schedule`, `update`
+and `on_worker_lost`; handlers call `add_request` / `abort_request` at await points, i.e.
+possibly while a plan is in flight. The scheduler allows that: an aborted sequence's blocks
+are freed at once, `update` skips its outputs, and the next plan tells the worker to drop its
+mirror -- so an abort frees blocks within one step. When nothing is pending the loop waits on
+an event (no polling).
+
+Worker connection (`_run`): connect (Describe, retried with back-off) -> Reset (drops mirrors
+a previous control plane may have left) -> steps. A step that fails because the worker is
+unreachable or restarted calls `Scheduler.on_worker_lost()` (every running sequence is
+preempted for recompute, the prefix cache is dropped), new requests get UNAVAILABLE, and the
+engine reconnects: within `worker_grace_s` the live requests simply continue (recomputed on
+the new instance); after it they fail with UNAVAILABLE and the pool is back to all-free. A
+step the worker *rejects* (INVALID_ARGUMENT: a control-plane bug) or fails (INTERNAL) ends
+every live request with INTERNAL and resets the worker; the server stays up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from control_plane.errors import (
+    EngineError,
+    InvalidRequestError,
+    RequestNotFoundError,
+    WorkerUnavailableError,
+)
+from control_plane.plan import Plan, SamplingParams, StepResult, WorkerInfo
+from control_plane.request import FinishReason, RequestOutput
+from control_plane.request_stream import Chunk, RequestStream
+from control_plane.scheduler import Scheduler
+from control_plane.scheduler_config import SchedulerConfig
+from control_plane.stats import SequenceTable, StatsSnapshot
+from control_plane.tokenizer import Tokenizer, make_tokenizer
+from control_plane.worker_client import WorkerStepError
+from pagedkv.logs import get_logger
+
+log = get_logger("pagedkv.control")
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+
+
+class AsyncWorker(Protocol):
+    target: str
+
+    async def describe(self, timeout: float | None = None) -> WorkerInfo: ...
+
+    async def execute(self, plan: Plan, expected_instance_id: str = "") -> StepResult: ...
+
+    async def reset(self, timeout: float | None = None) -> str: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class EngineOptions:
+    worker_grace_s: float = 5.0  # how long live requests wait for a lost worker to return
+    reconnect_backoff_s: tuple[float, float] = (0.05, 1.0)  # first and largest retry delay
+    describe_timeout_s: float = 5.0
+
+
+class _StepFailed(Exception):
+    """Internal: the current step could not complete; carries the engine error to report."""
+
+    def __init__(self, error: EngineError, lost: bool) -> None:
+        self.error, self.lost = error, lost
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        worker: AsyncWorker,
+        config: SchedulerConfig | None = None,
+        options: EngineOptions | None = None,
+    ) -> None:
+        self.config = config or SchedulerConfig()
+        self.config.validate()
+        self.options = options or EngineOptions()
+        self.worker = worker
+        self.scheduler: Scheduler | None = None
+        self.info: WorkerInfo | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.available = False
+        self._listeners: list[Callable[[bool], None]] = []
+        self._connected = False  # a worker answered Describe + Reset and no step failed since
+        self._draining = False
+        self._streams: dict[str, RequestStream] = {}
+        self._work = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.num_worker_losses = 0
+        self.last_step_seconds = 0.0
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="pagedkv-engine-loop")
+
+    async def stop(self) -> None:
+        """Fail every live stream with UNAVAILABLE, stop the loop, close the worker channel."""
+        self._set_available(False)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._fail_all(WorkerUnavailableError("the server is shutting down; retry on another replica"))
+        await self.worker.close()
+
+    async def wait_available(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.available and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self.available
+
+    def add_availability_listener(self, listener: Callable[[bool], None]) -> None:
+        """Called with True when a worker connects and False when it is lost or we drain."""
+        self._listeners.append(listener)
+
+    def drain(self) -> None:
+        """Refuse new requests from now on (UNAVAILABLE); live ones keep running."""
+        self._draining = True
+        self._set_available(False)
+
+    def _set_available(self, ok: bool) -> None:
+        ok = ok and not self._draining
+        if ok != self.available:
+            self.available = ok
+            for listener in self._listeners:
+                listener(ok)
+
+    # -- requests ---------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt_token_ids: list[int] | None,
+        text: str | None,
+        sampling: SamplingParams,
+        *,
+        request_id: str = "",
+        priority: int = 0,
+        cache_salt: str = "",
+    ) -> RequestStream:
+        """Admit a request; raises an EngineError (mapped to a gRPC status by the service)."""
+        if self._draining:
+            raise WorkerUnavailableError("the server is shutting down; retry on another replica")
+        if not self.available or self.scheduler is None:
+            raise WorkerUnavailableError(
+                f"no worker is connected (worker at {self.worker.target} is starting, restarting or "
+                "down); retry shortly"
+            )
+        if (prompt_token_ids is None) == (text is None):
+            raise InvalidRequestError("send exactly one of `text` and `token_ids`")
+        if text is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer on the server; send `token_ids`")
+            prompt_token_ids = self.tokenizer.encode(text)
+            if not prompt_token_ids:
+                raise InvalidRequestError("the prompt text is empty; send at least one character")
+        self._check_stops(sampling.stop)
+        request_id = request_id or uuid.uuid4().hex
+        self.scheduler.add_request(request_id, prompt_token_ids, sampling, priority, cache_salt)
+        stream = RequestStream(request_id, sampling.n, self.tokenizer, sampling.stop)
+        self._streams[request_id] = stream
+        self._work.set()
+        log.debug("request.added", request_id=request_id, prompt_tokens=len(prompt_token_ids), n=sampling.n)
+        return stream
+
+    def _check_stops(self, stops: tuple[str, ...]) -> None:
+        if not stops:
+            return
+        if self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a server-side tokenizer; use stop_token_ids")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        if any(not 1 <= len(s) <= MAX_STOP_LEN for s in stops):
+            raise InvalidRequestError(f"each stop string must have 1..{MAX_STOP_LEN} characters")
+
+    def abort(self, request_id: str, *, reason: FinishReason = FinishReason.ABORT) -> int:
+        """End a live request now (blocks freed); returns the samples aborted. RequestNotFoundError."""
+        if self.scheduler is None:
+            raise RequestNotFoundError(f"no live request with id {request_id!r}")
+        outputs = self.scheduler.abort_request(request_id, reason)
+        self._dispatch(outputs)
+        self._work.set()  # the worker must be told to drop the mirrors
+        return len(outputs)
+
+    def release(self, request_id: str) -> None:
+        """The client went away (cancel, disconnect, deadline): abort quietly if still live."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None or stream.done or self.scheduler is None:
+            return
+        stream.done = True
+        try:
+            self.scheduler.abort_request(request_id, FinishReason.ABORT)
+        except EngineError:
+            return
+        self._work.set()
+        log.info("request.cancelled", request_id=request_id, tokens=stream.num_tokens)
+
+    # -- queries ----------------------------------------------------------------------------
+    def stats(self) -> StatsSnapshot | None:
+        return self.scheduler.stats() if self.scheduler is not None else None
+
+    def block_tables(self, request_id: str) -> list[SequenceTable]:
+        if self.scheduler is None:
+            raise RequestNotFoundError(f"no live request with id {request_id!r}")
+        return self.scheduler.block_tables(request_id)
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._streams)
+
+    # -- the loop ---------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            if not self._connected:
+                await self._connect()
+            try:
+                await self._steps()
+            except _StepFailed as failure:
+                await self._recover(failure)
+
+    async def _connect(self) -> None:
+        """Describe + Reset until both succeed, then (re)build the scheduler if needed."""
+        delay, max_delay = self.options.reconnect_backoff_s
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                info = await self.worker.describe(timeout=self.options.describe_timeout_s)
+                await self.worker.reset(timeout=self.options.describe_timeout_s)
+                break
+            except EngineError as e:
+                if attempt == 1 or attempt % 20 == 0:
+                    log.warning("worker.waiting", worker=self.worker.target, error=str(e), attempt=attempt)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, max_delay)
+        self._attach(info)
+
+    def _attach(self, info: WorkerInfo) -> None:
+        old = self.info
+        geometry_changed = old is None or _geometry(old) != _geometry(info)
+        if geometry_changed:
+            if self._streams:
+                self._fail_all(WorkerUnavailableError("the worker restarted with a different model or pool"))
+            self.scheduler = Scheduler(replace(self.config), info)
+            self.tokenizer = make_tokenizer(info.tokenizer_kind, info.tokenizer_json, info.vocab_size)
+        self.info = info
+        self._connected = True
+        self._set_available(True)
+        log.info(
+            "worker.connected",
+            worker=self.worker.target,
+            instance_id=info.instance_id,
+            model=info.model_name,
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            kv_layout=info.kv_layout.name.lower(),
+            max_model_len=self.scheduler.max_model_len,
+            resumed_requests=len(self._streams),
+        )
+        self._work.set()
+
+    async def _steps(self) -> None:
+        sched = self.scheduler
+        while True:
+            if not sched.has_pending_work():
+                self._work.clear()
+                await self._work.wait()
+                continue
+            plan = sched.schedule()
+            if plan.is_empty():
+                self._dispatch(sched.update(plan, StepResult(plan.step_id)))
+                # Nothing runnable although requests wait (rare): wait for an add/abort, bounded.
+                self._work.clear()
+                try:
+                    await asyncio.wait_for(self._work.wait(), 0.05)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            started = time.perf_counter()
+            try:
+                result = await self.worker.execute(plan, self.info.instance_id)
+            except WorkerUnavailableError as e:
+                raise _StepFailed(e, lost=True) from None
+            except WorkerStepError as e:
+                raise _StepFailed(e, lost=False) from None
+            self.last_step_seconds = time.perf_counter() - started
+            self._dispatch(sched.update(plan, result))
+
+    async def _recover(self, failure: _StepFailed) -> None:
+        self.num_worker_losses += 1
+        self._connected = False
+        self._set_available(False)
+        self.scheduler.on_worker_lost()
+        if not failure.lost:
+            log.error("worker.step_failed", error=str(failure.error), live_requests=len(self._streams))
+            self._fail_all(failure.error)
+            return  # _run reconnects: Describe + Reset, then continues with an empty engine
+        log.warning("worker.lost", error=str(failure.error), live_requests=len(self._streams))
+        if self._streams and not await self._reconnect_within(self.options.worker_grace_s):
+            self._fail_all(failure.error)
+
+    async def _reconnect_within(self, grace_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._connect(), grace_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def _fail_all(self, error: EngineError) -> None:
+        """End every live request with `error` and free its blocks (state stays consistent)."""
+        if self.scheduler is not None:
+            self.scheduler.abort_all(FinishReason.ERROR)
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.fail(error)
+        if streams:
+            log.warning("requests.failed", count=len(streams), error=str(error))
+
+    # -- outputs ----------------------------------------------------------------------------
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[str, list[Chunk]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # the client already went away
+            chunk, stop_matched = stream.to_chunk(out)
+            if stop_matched:
+                self._finish_on_stop(out, chunk)
+            batches.setdefault(out.request_id, []).append(chunk)
+        for request_id, chunks in batches.items():
+            stream = self._streams[request_id]
+            stream.push(chunks)
+            if stream.done:
+                del self._streams[request_id]
+                self._log_finished(stream, chunks)
+
+    def _finish_on_stop(self, out: RequestOutput, chunk: Chunk) -> None:
+        if out.finish_reason is None:
+            ended = self.scheduler.finish_sample(out.request_id, out.index, FinishReason.STOP)
+            if ended is not None:
+                chunk.usage = ended.usage
+            self._work.set()
+        chunk.finish_reason = FinishReason.STOP
+
+    def _log_finished(self, stream: RequestStream, chunks: list[Chunk]) -> None:
+        now = time.monotonic()
+        ttft = (stream.first_token_at - stream.created) if stream.first_token_at else None
+        reasons = sorted({c.finish_reason.name for c in chunks if c.finish_reason is not None})
+        log.info(
+            "request.finished",
+            request_id=stream.request_id,
+            finish=",".join(reasons),
+            tokens=stream.num_tokens,
+            ttft_ms=round(ttft * 1e3, 1) if ttft is not None else None,
+            total_ms=round((now - stream.created) * 1e3, 1),
+        )
+
+
+def _geometry(info: WorkerInfo) -> tuple:
+    """Everything the scheduler was built from, except the instance id."""
+    return (
+        info.vocab_size,
+        info.max_model_len,
+        info.block_size,
+        info.num_blocks,
+        info.kv_layout,
+        info.max_concurrent_seqs,
+        info.eos_token_ids,
+        info.tokenizer_kind,
+        info.tokenizer_json,
+    )

@@ -1,0 +1,127 @@
+"""One client's view of a live request: text decoding, stop strings, and the queue it reads.
+
+The engine loop turns each step's `RequestOutput`s into `Chunk`s here and pushes them; the
+gRPC handler awaits `next()`. Per sample:
+
+    token ids ──IncrementalDetokenizer──▶ text ──stop-string matcher──▶ emitted text
+
+Stop strings (engine-level, the worker never sees them): while a sample runs, the last
+`max(len(stop)) - 1` characters are held back, so emitted text never contains the start of a
+stop string that a later token completes. On a match the text is cut *before* the stop
+string and the engine ends the sample (`Scheduler.finish_sample`). When a sample ends for any
+other reason the held-back text is flushed into its last message. Invariant: concatenating a
+sample's `Chunk.text`s gives its decoded output, cut at the first stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from control_plane.errors import EngineError
+from control_plane.request import FinishReason, RequestOutput, Usage
+from control_plane.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One GenerateResponse worth of output for one sample."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    usage: Usage | None
+    logprobs: list[float] | None
+
+
+class _SampleText:
+    __slots__ = ("_detok", "_pending", "_stops", "_hold")
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._pending = ""
+
+    def feed(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Returns (text to emit now, whether a stop string matched)."""
+        return self._cut(self._detok.add(token_ids) if token_ids else "", final=False)
+
+    def flush(self) -> tuple[str, bool]:
+        """The rest of the text when the sample ends otherwise; a stop string may still match
+        in it (e.g. one ending in a held-back U+FFFD)."""
+        return self._cut(self._detok.flush(), final=True)
+
+    def _cut(self, new: str, final: bool) -> tuple[str, bool]:
+        if not self._stops:
+            return new, False
+        pending = self._pending + new
+        cut = min((i for i in (pending.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self._pending = ""
+            return pending[:cut], True
+        keep = 0 if final else min(self._hold, len(pending))
+        self._pending = pending[len(pending) - keep :]
+        return pending[: len(pending) - keep], False
+
+
+class RequestStream:
+    """Output queue of one request. Single consumer (the RPC handler), single producer (the loop)."""
+
+    def __init__(
+        self, request_id: str, n: int, tokenizer: Tokenizer | None, stops: tuple[str, ...] = ()
+    ) -> None:
+        if stops and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.request_id = request_id
+        self.n = n
+        self._texts = [_SampleText(tokenizer, stops) for _ in range(n)] if tokenizer is not None else None
+        self._queue: asyncio.Queue[list[Chunk] | EngineError] = asyncio.Queue()
+        self._num_finished = 0
+        self.done = False  # every sample has finished, or the stream failed
+        self.created = time.monotonic()
+        self.first_token_at: float | None = None
+        self.num_tokens = 0
+
+    def to_chunk(self, out: RequestOutput) -> tuple[Chunk, bool]:
+        """Decode one output. Returns (chunk, stop string matched: the engine must end the sample)."""
+        text, matched = "", False
+        if self._texts is not None:
+            sample = self._texts[out.index]
+            text, matched = sample.feed(out.new_token_ids)
+            if out.finish_reason is not None and not matched:
+                rest, matched = sample.flush()
+                text += rest
+        chunk = Chunk(out.index, out.new_token_ids, text, out.finish_reason, out.usage, out.logprobs)
+        return chunk, matched
+
+    def push(self, chunks: list[Chunk]) -> None:
+        if self.done:
+            return
+        for c in chunks:
+            if c.token_ids:
+                self.num_tokens += len(c.token_ids)
+                if self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+            if c.finish_reason is not None:
+                self._num_finished += 1
+        self.done = self._num_finished >= self.n
+        self._queue.put_nowait(chunks)
+
+    def fail(self, error: EngineError) -> None:
+        """End the stream with an error status (worker lost, server stopping)."""
+        if not self.done:
+            self.done = True
+            self._queue.put_nowait(error)
+
+    async def next(self) -> list[Chunk]:
+        """The next batch of chunks; raises the failure if the stream failed."""
+        item = await self._queue.get()
+        if isinstance(item, EngineError):
+            raise item
+        return item
+
+    def drained(self) -> bool:
+        return self.done and self._queue.empty()

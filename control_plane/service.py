@@ -1,0 +1,148 @@
+"""The public gRPC service `pagedkv.v1.Engine` (grpc.aio) over an `AsyncEngine`.
+
+Handlers translate; the engine decides. Every `control_plane.errors.EngineError` becomes the
+status its `grpc_code` names, with the exception's message (which says what to change); any
+other exception is a server bug: logged with its traceback, INTERNAL to the client, and the
+server keeps serving.
+
+A Generate stream ends in one of three ways: every sample finished (OK); the engine failed it
+(the failure's status, e.g. UNAVAILABLE when the worker is lost); or the client went away
+(cancel, disconnect, deadline) -- grpc cancels the handler and its `finally` aborts the
+request, freeing its blocks before the next step is scheduled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import grpc
+
+from control_plane import api_codec
+from control_plane.engine_loop import AsyncEngine
+from control_plane.errors import EngineError, WorkerUnavailableError
+from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind, set_serving
+from pagedkv.logs import get_logger
+from pagedkv.v1 import engine_pb2, engine_pb2_grpc
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+log = get_logger("pagedkv.control")
+
+
+def _status(e: EngineError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, e.grpc_code, grpc.StatusCode.INTERNAL)
+
+
+def _unary(handler):
+    """Map EngineError -> its status and unexpected exceptions -> INTERNAL for a unary RPC."""
+
+    @functools.wraps(handler)
+    async def wrapped(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except EngineError as e:
+            await context.abort(_status(e), str(e))
+        except Exception as e:  # noqa: BLE001 -- a bug must not take the server down
+            log.exception("rpc.failed", rpc=handler.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
+
+    return wrapped
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def Generate(self, request, context):
+        engine = self.engine
+        try:
+            token_ids, text = api_codec.decode_prompt(request)
+            sampling = api_codec.decode_sampling(request.sampling)
+            stream = engine.submit(
+                token_ids,
+                text,
+                sampling,
+                request_id=request.request_id,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+            )
+        except EngineError as e:
+            log.info("request.rejected", request_id=request.request_id, code=e.grpc_code, error=str(e))
+            await context.abort(_status(e), str(e))
+        rid = stream.request_id
+        encode = api_codec.encode_chunk
+        try:
+            while True:
+                try:
+                    chunks = await stream.next()
+                except EngineError as e:
+                    await context.abort(_status(e), str(e))
+                for chunk in chunks:
+                    yield encode(rid, chunk)
+                if stream.drained():
+                    return
+        finally:
+            # Runs on normal completion too (then a no-op) and on cancellation/disconnect.
+            engine.release(rid)
+
+    @_unary
+    async def Abort(self, request, context):
+        n = self.engine.abort(request.request_id)
+        log.info("request.aborted", request_id=request.request_id, samples=n)
+        return engine_pb2.AbortResponse(num_aborted_samples=n)
+
+    @_unary
+    async def GetStats(self, request, context):
+        e = self.engine
+        return api_codec.encode_stats(
+            e.stats(), worker_available=e.available, num_live_requests=e.num_live_requests
+        )
+
+    @_unary
+    async def GetBlockTable(self, request, context):
+        tables = self.engine.block_tables(request.request_id)
+        return api_codec.encode_block_table(request.request_id, self.engine.info.block_size, tables)
+
+    @_unary
+    async def GetModelInfo(self, request, context):
+        e = self.engine
+        if e.info is None or e.scheduler is None:
+            raise WorkerUnavailableError("no worker has connected yet; retry shortly")
+        s = e.scheduler
+        return api_codec.encode_model_info(e.info, e.config, s.max_model_len, s.max_running)
+
+
+async def create_server(
+    address: str, engine: AsyncEngine, *, options=SERVER_OPTIONS
+) -> tuple[grpc.aio.Server, str]:
+    """Start `pagedkv.v1.Engine` (+ health, reflection) on `address` and the engine loop.
+
+    Returns (server, the bound address: "host:port" with the real port, or "unix:///path").
+    Health is NOT_SERVING until the engine has connected to its worker, and again whenever the
+    worker is lost. Shut down with `await shutdown(server, engine, grace)`.
+    """
+    server = grpc.aio.server(options=list(options))
+    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    await set_serving(health, [SERVICE_NAME], False)
+    tasks: set[asyncio.Task] = set()
+
+    def on_availability(ok: bool) -> None:
+        task = asyncio.get_running_loop().create_task(set_serving(health, [SERVICE_NAME], ok))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    engine.add_availability_listener(on_availability)
+    bound, _ = bind(server, address)
+    await server.start()
+    engine.start()
+    return server, bound
+
+
+async def shutdown(server: grpc.aio.Server, engine: AsyncEngine, grace: float = 5.0) -> None:
+    """Graceful stop: report NOT_SERVING, refuse new RPCs, let live streams finish for up to
+    `grace` seconds, then cancel the rest (their requests are aborted) and stop the engine."""
+    engine.drain()
+    await asyncio.sleep(0)  # let the health update run before the listener goes away
+    await server.stop(grace)
+    await engine.stop()

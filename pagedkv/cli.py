@@ -1,0 +1,178 @@
+"""`pagedkv`: run the services and talk to them.
+
+    pagedkv serve                         worker + control plane, supervised (what `make run` runs)
+    pagedkv worker  --listen ADDR ...     the worker process alone (systemd units, containers)
+    pagedkv control --worker ADDR ...     the control-plane process alone
+    pagedkv generate PROMPT | --token-ids 1,2,3   stream a generation
+    pagedkv stats | block-table ID | model-info   inspect a running server
+
+Flag names are an interface: deploy/ (systemd units, containers, Kubernetes) passes them.
+Heavy imports (torch, grpc servers) happen inside the chosen command, so `pagedkv --help`
+and the client commands start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from pagedkv.logs import FORMATS, LEVELS
+
+DEFAULT_SERVER = os.environ.get("PAGEDKV_SERVER", "127.0.0.1:50051")
+DEFAULT_WORKER = "127.0.0.1:50052"
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512Mi', '2G', '1.5GiB' -> bytes (K/M/G decimal, Ki/Mi/Gi binary)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]i?)?[bB]?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad byte size {text!r}; e.g. 268435456, 256Mi, 2G")
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"byte size must be positive, got {text!r}")
+    return int(value)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_logging(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-format", choices=FORMATS, default="console", help="log lines as JSON or for humans")
+    p.add_argument("--log-level", choices=LEVELS, default="info", type=str.lower)
+
+
+def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> None:
+    p.add_argument("--model", metavar="DIR", help="checkpoint dir (default: the embedded tiny Qwen3)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block, a power of two")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--num-blocks", type=_positive, help="KV pool size in blocks (incl. the null block)")
+    pool.add_argument(
+        "--kv-cache-memory", type=parse_bytes, metavar="BYTES", help="KV budget, e.g. 268435456, 512Mi, 2G"
+    )
+    p.add_argument("--kv-layout", choices=("paged", "contiguous"), default="paged")
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
+    p.add_argument("--max-model-len", type=_positive, help="cap on prompt + output tokens (default: model's)")
+    if not for_serve:
+        p.add_argument("--no-cuda-graph", action="store_true", help="run decode eagerly (CUDA backend)")
+        p.add_argument("--seed", type=int, default=0, help="sampler seed for requests without one")
+
+
+def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences running at once")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="tokens per step")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    p.add_argument("--policy", choices=("throughput", "latency"), default="throughput")
+
+
+def _lifecycle_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ready-file", metavar="PATH", help="write {address, pid} as JSON once listening")
+    p.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds in-flight RPCs get on stop")
+    _add_logging(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pagedkv", description="PagedAttention LLM serving over gRPC")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    w = sub.add_parser("worker", help="run the worker process (model + KV pool)")
+    w.add_argument("--listen", default=DEFAULT_WORKER, help=f"HOST:PORT or unix:///path ({DEFAULT_WORKER})")
+    _add_worker_flags(w)
+    _lifecycle_flags(w)
+
+    c = sub.add_parser("control", help="run the control-plane process (public API)")
+    c.add_argument(
+        "--worker", default=DEFAULT_WORKER, help="the worker's address (HOST:PORT or unix:///path)"
+    )
+    c.add_argument("--listen", default=DEFAULT_SERVER, help="public address (default 127.0.0.1:50051)")
+    _add_scheduler_flags(c)
+    c.add_argument("--max-model-len", type=_positive, help="cap below the worker's max length")
+    c.add_argument("--max-queue", type=_positive, default=1024, help="waiting requests allowed")
+    c.add_argument("--max-n", type=_positive, default=16, help="largest n (parallel samples) accepted")
+    c.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    c.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    c.add_argument("--worker-grace", type=float, default=5.0, help="seconds requests wait for a lost worker")
+    c.add_argument("--step-timeout", type=float, default=300.0, help="seconds one Execute may take")
+    _lifecycle_flags(c)
+
+    s = sub.add_parser("serve", help="run worker + control plane as two supervised processes")
+    s.add_argument("--host", default="127.0.0.1", help="public host (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=50051, help="public port (0 = any free port)")
+    _add_worker_flags(s, for_serve=True)
+    _add_scheduler_flags(s)
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    _add_logging(s)
+
+    g = sub.add_parser("generate", help="stream a generation")
+    g.add_argument("prompt", nargs="?", help="prompt text (or use --token-ids)")
+    g.add_argument("--token-ids", metavar="1,2,3", help="prompt as comma-separated token ids")
+    g.add_argument("--max-tokens", type=_positive, default=16)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--n", type=_positive, default=1, help="parallel samples")
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--request-id", help="choose the request id (default: assigned by the server)")
+    g.add_argument("--json", action="store_true", help="one JSON object per response message")
+
+    st = sub.add_parser("stats", help="KV pool and scheduler statistics")
+    st.add_argument("--json", action="store_true")
+    bt = sub.add_parser("block-table", help="a live request's block tables")
+    bt.add_argument("request_id")
+    bt.add_argument("--json", action="store_true")
+    mi = sub.add_parser("model-info", help="the served model and KV geometry")
+    mi.add_argument("--json", action="store_true")
+    for p in (g, st, bt, mi):
+        p.add_argument("--server", default=DEFAULT_SERVER, help="HOST:PORT, unix:///path or dns:///name:port")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.command == "generate" and (args.prompt is None) == (args.token_ids is None):
+        ap.error("generate: give a PROMPT or --token-ids, not both")
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args) -> int:
+    if args.command == "worker":
+        from pagedkv.processes import run_worker
+
+        return run_worker(args)
+    if args.command == "control":
+        from pagedkv.processes import run_control
+
+        return run_control(args)
+    if args.command == "serve":
+        from pagedkv.serve import run_serve
+
+        return run_serve(args)
+    from pagedkv import commands
+
+    handler = {
+        "generate": commands.cmd_generate,
+        "stats": commands.cmd_stats,
+        "block-table": commands.cmd_block_table,
+        "model-info": commands.cmd_model_info,
+    }[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The two long-running processes: `pagedkv worker` and `pagedkv control`.
+
+Each listens first (health NOT_SERVING), becomes ready (worker: weights loaded and KV pool
+allocated; control: connected to its worker), and runs until SIGINT/SIGTERM, then stops
+gracefully: health NOT_SERVING, no new RPCs, in-flight ones get `--shutdown-grace` seconds.
+
+`--ready-file PATH` (for supervisors and tests): once listening, the process writes
+{"address": ..., "pid": ...} to PATH atomically (the real port when listening on port 0).
+Exit status: 0 after a signal, 1 when start-up failed (the reason is logged), 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+from pathlib import Path
+
+from pagedkv.logs import configure_logging, get_logger
+
+
+def _write_ready_file(path: str | None, address: str) -> None:
+    if not path:
+        return
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+    os.replace(tmp, path)
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+# -- worker --------------------------------------------------------------------------------
+def worker_config_from_args(args):
+    from worker import WorkerConfig
+
+    config = WorkerConfig(
+        model=args.model,
+        device=args.device,
+        dtype=None if args.dtype == "auto" else args.dtype,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        kv_layout=args.kv_layout,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    names = {f.name for f in dataclasses.fields(config)}
+    if args.no_cuda_graph and "cuda_graph" in names:
+        config.cuda_graph = False
+    config.validate()
+    return config
+
+
+async def _worker_main(args) -> int:
+    from worker import Worker
+    from worker.service import WorkerServicer, create_worker_server
+
+    log = get_logger("pagedkv.worker")
+    config = worker_config_from_args(args)
+    if args.no_cuda_graph and not hasattr(config, "cuda_graph"):
+        log.info("worker.flag_ignored", flag="--no-cuda-graph", reason="the worker has no CUDA-graph option")
+    servicer = WorkerServicer()
+    server, address = await create_worker_server(args.listen, servicer)
+    log.info("worker.listening", address=address, status="NOT_SERVING until the model and KV pool are ready")
+    _write_ready_file(args.ready_file, address)
+    stop = _stop_event()
+    load = asyncio.create_task(servicer.load(lambda: Worker(config)))
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if load.done() and load.exception() is not None:
+        exc = load.exception()
+        log.error("worker.load_failed", error=str(exc), error_type=type(exc).__name__)
+        code = 1
+    else:
+        await stopped
+    log.info("worker.stopping", grace_s=args.shutdown_grace)
+    load.cancel()
+    await server.stop(args.shutdown_grace)
+    servicer.close()
+    return code
+
+
+def run_worker(args) -> int:
+    configure_logging(args.log_format, args.log_level)
+    try:
+        return asyncio.run(_worker_main(args))
+    except (ValueError, RuntimeError) as e:  # WorkerConfigError / bad address; address in use
+        get_logger("pagedkv.worker").error("worker.start_failed", error=str(e))
+        return 2 if isinstance(e, ValueError) else 1
+
+
+# -- control plane -------------------------------------------------------------------------
+def scheduler_config_from_args(args):
+    from control_plane.scheduler_config import SchedulerConfig
+
+    config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        policy=args.policy,
+        max_queue=args.max_queue,
+        max_n=args.max_n,
+    )
+    config.validate()
+    return config
+
+
+async def _control_main(args) -> int:
+    from control_plane.engine_loop import AsyncEngine, EngineOptions
+    from control_plane.service import create_server, shutdown
+    from control_plane.worker_client import WorkerClient
+    from pagedkv.metrics import start_metrics_server
+
+    log = get_logger("pagedkv.control")
+    config = scheduler_config_from_args(args)
+    worker = WorkerClient(args.worker, step_timeout_s=args.step_timeout)
+    engine = AsyncEngine(worker, config, EngineOptions(worker_grace_s=args.worker_grace))
+    server, address = await create_server(args.listen, engine)
+    log.info(
+        "control.listening",
+        address=address,
+        worker=worker.target,
+        policy=config.policy,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        prefix_caching=config.enable_prefix_caching,
+    )
+    if args.metrics_port is not None:
+        start_metrics_server(args.metrics_port, args.metrics_host, engine, asyncio.get_running_loop())
+    _write_ready_file(args.ready_file, address)
+    await _stop_event().wait()
+    log.info("control.stopping", grace_s=args.shutdown_grace, live_requests=engine.num_live_requests)
+    await shutdown(server, engine, args.shutdown_grace)
+    return 0
+
+
+def run_control(args) -> int:
+    configure_logging(args.log_format, args.log_level)
+    try:
+        return asyncio.run(_control_main(args))
+    except (ValueError, RuntimeError) as e:  # bad settings, address in use
+        get_logger("pagedkv.control").error("control.start_failed", error=str(e))
+        return 2 if isinstance(e, ValueError) else 1

@@ -1,0 +1,152 @@
+"""The wire codecs: plan.py dataclasses survive the worker protocol exactly; the public API's
+defaults and prompt rules are applied as engine.proto documents."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from control_plane import api_codec
+from control_plane.errors import InvalidRequestError
+from control_plane.plan import (
+    ContinuingSequence,
+    KVLayout,
+    NewSequence,
+    Plan,
+    SamplingParams,
+    SeqOutput,
+    StepResult,
+    WorkerInfo,
+)
+from control_plane.plan_codec import (
+    decode_plan,
+    decode_result,
+    decode_worker_info,
+    encode_plan,
+    encode_result,
+    encode_worker_info,
+)
+from pagedkv.v1 import engine_pb2, worker_pb2
+
+u32 = st.integers(0, 2**32 - 1)
+u64 = st.integers(0, 2**64 - 1)
+ids = st.lists(u32, max_size=8)
+f64 = st.floats(allow_nan=False, allow_infinity=False, width=64)
+f32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+sampling = st.builds(
+    SamplingParams,
+    max_tokens=u32,
+    temperature=f64,
+    top_p=f64,
+    top_k=u32,
+    seed=st.none() | u64,
+    stop_token_ids=st.lists(u32, max_size=3).map(tuple),
+    stop=st.lists(st.text(max_size=5), max_size=3).map(tuple),
+    ignore_eos=st.booleans(),
+    n=u32,
+    logprobs=st.booleans(),
+)
+new_seq = st.builds(NewSequence, u64, ids, ids, u32, sampling, st.booleans(), u32, u32)
+cont_seq = st.builds(
+    ContinuingSequence, u64, ids, st.lists(st.tuples(u32, u32), max_size=3), ids, u32, st.booleans(), u32
+)
+plans = st.builds(
+    Plan,
+    step_id=u64,
+    new=st.lists(new_seq, max_size=4),
+    continuing=st.lists(cont_seq, max_size=6),
+    copies=st.lists(st.tuples(u32, u32), max_size=3),
+    finished=st.lists(u64, max_size=4),
+)
+results = st.builds(
+    StepResult,
+    step_id=u64,
+    outputs=st.lists(
+        st.builds(
+            SeqOutput, u64, st.lists(u32, min_size=1, max_size=4), st.none() | st.lists(f32, min_size=1)
+        ),
+        max_size=5,
+    ),
+    forward_seconds=f64,
+)
+
+
+def _wire(msg):
+    return type(msg).FromString(msg.SerializeToString())
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans)
+def test_plan_round_trips_exactly(plan):
+    assert decode_plan(_wire(encode_plan(plan))) == plan
+
+
+@settings(max_examples=150, deadline=None)
+@given(results)
+def test_step_result_round_trips_exactly(result):
+    assert decode_result(_wire(encode_result(result))) == result
+
+
+def test_worker_info_round_trips_exactly():
+    info = WorkerInfo(
+        model_name="m",
+        architecture="Qwen3ForCausalLM",
+        vocab_size=151_936,
+        max_model_len=40_960,
+        num_layers=28,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        block_size=16,
+        num_blocks=12_345,
+        bytes_per_block=2 * 28 * 8 * 128 * 2 * 16,
+        device="cuda:0",
+        instance_id="abc",
+        eos_token_ids=(151_643, 151_645),
+        kv_layout=KVLayout.CONTIGUOUS,
+        max_concurrent_seqs=7,
+        tokenizer_kind="hf",
+        tokenizer_json='{"x": 1}' * 1000,
+    )
+    assert decode_worker_info(_wire(encode_worker_info(info))) == info
+
+
+def test_plan_carries_the_instance_guard():
+    m = encode_plan(Plan(step_id=1), expected_instance_id="w-1")
+    assert _wire(m).expected_instance_id == "w-1"
+
+
+def test_unknown_kv_layout_is_rejected():
+    with pytest.raises(ValueError, match="unknown KV layout"):
+        decode_worker_info(worker_pb2.WorkerInfo(kv_layout=0))
+
+
+# -- public API ---------------------------------------------------------------------------
+def test_sampling_defaults_follow_the_proto_comments():
+    s = api_codec.decode_sampling(engine_pb2.SamplingParams(max_tokens=5))
+    assert s == SamplingParams(max_tokens=5, temperature=0.0, top_p=1.0, top_k=0, seed=None, n=1)
+    s = api_codec.decode_sampling(engine_pb2.SamplingParams(max_tokens=5, seed=0, n=3, top_p=0.5))
+    assert (s.seed, s.n, s.top_p) == (0, 3, 0.5)
+
+
+def test_max_tokens_zero_is_invalid():
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        api_codec.decode_sampling(engine_pb2.SamplingParams())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [(dict(text="a", token_ids=[1]), "not both"), (dict(), "empty")],
+)
+def test_prompt_needs_exactly_one_form(kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        api_codec.decode_prompt(engine_pb2.GenerateRequest(**kwargs))
+
+
+def test_finish_reason_values_match_the_control_plane():
+    from control_plane.request import FinishReason
+
+    for reason in FinishReason:
+        assert engine_pb2.FinishReason.Name(int(reason)) == f"FINISH_REASON_{reason.name}"

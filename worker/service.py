@@ -1,0 +1,168 @@
+"""The gRPC face of a worker: `pagedkv.v1.Worker` over `grpc.aio`.
+
+    control plane ──Execute(Plan)──▶ WorkerServicer ──decode──▶ worker.execute(plan)  (1 thread)
+                  ◀──StepResult────                 ◀─encode──
+
+The servicer starts before the model is loaded: health reports NOT_SERVING and Describe /
+Execute / Reset answer UNAVAILABLE until `load()` has built the worker (weights loaded, KV pool
+allocated); then SERVING. Every call into the worker runs on one dedicated thread, so
+- plans are applied strictly one at a time, in arrival order (the worker is not thread-safe);
+- the event loop stays free during a long forward, so health checks answer during a prefill.
+
+Errors: `worker.errors.WorkerError` subclasses map through their `grpc_code` (PlanError ->
+INVALID_ARGUMENT, state unchanged); a plan made for another worker instance ->
+FAILED_PRECONDITION; anything else -> INTERNAL with the exception text (and a logged traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import grpc
+
+from control_plane.plan import Plan, StepResult, WorkerInfo
+from control_plane.plan_codec import decode_plan, encode_result, encode_worker_info
+from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind, set_serving
+from pagedkv.logs import get_logger
+from pagedkv.v1 import worker_pb2, worker_pb2_grpc
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+log = get_logger("pagedkv.worker")
+
+
+class WorkerLike(Protocol):
+    def describe(self) -> WorkerInfo: ...
+
+    def execute(self, plan: Plan) -> StepResult: ...
+
+    def reset(self) -> None: ...
+
+
+def geometry_fields(info: WorkerInfo) -> dict:
+    """The pool geometry for the startup log line (proof of what was allocated)."""
+    return {
+        "model": info.model_name,
+        "device": info.device,
+        "dtype": info.dtype,
+        "kv_layout": info.kv_layout.name.lower(),
+        "block_size": info.block_size,
+        "num_blocks": info.num_blocks,
+        "bytes_per_block": info.bytes_per_block,
+        "kv_cache_bytes": info.num_blocks * info.bytes_per_block,
+        "kv_cache_mib": round(info.num_blocks * info.bytes_per_block / 2**20, 1),
+        "max_model_len": info.max_model_len,
+        "vocab_size": info.vocab_size,
+        "instance_id": info.instance_id,
+    }
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, worker: WorkerLike | None = None) -> None:
+        self._worker = worker
+        self._info_pb: worker_pb2.WorkerInfo | None = None
+        self._instance_id = ""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-worker")
+        self._health = None
+        self.num_steps = 0
+        if worker is not None:
+            self._set_worker(worker)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def attach_health(self, health_servicer) -> None:
+        self._health = health_servicer
+
+    @property
+    def ready(self) -> bool:
+        return self._worker is not None
+
+    async def load(self, factory: Callable[[], WorkerLike]) -> WorkerInfo:
+        """Build the worker off the event loop (weights + KV pool), then report SERVING."""
+        started = time.perf_counter()
+        worker = await asyncio.get_running_loop().run_in_executor(self._executor, factory)
+        info = self._set_worker(worker)
+        log.info(
+            "worker.ready", load_seconds=round(time.perf_counter() - started, 2), **geometry_fields(info)
+        )
+        if self._health is not None:
+            await set_serving(self._health, [SERVICE_NAME], True)
+        return info
+
+    def _set_worker(self, worker: WorkerLike) -> WorkerInfo:
+        info = worker.describe()
+        self._worker = worker
+        self._info_pb = encode_worker_info(info)
+        self._instance_id = info.instance_id
+        return info
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # -- RPCs -------------------------------------------------------------------------------
+    async def _require_worker(self, context) -> WorkerLike:
+        if self._worker is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "worker is loading its model and KV pool; retry shortly"
+            )
+        return self._worker
+
+    async def Describe(self, request, context):
+        await self._require_worker(context)
+        return self._info_pb
+
+    async def Execute(self, request, context):
+        worker = await self._require_worker(context)
+        expected = request.expected_instance_id
+        if expected and expected != self._instance_id:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"plan made for worker instance {expected!r} but this is {self._instance_id!r} "
+                "(the worker restarted; Describe again and resend full tables)",
+            )
+        try:
+            plan = decode_plan(request)
+            result = await asyncio.get_running_loop().run_in_executor(self._executor, worker.execute, plan)
+        except Exception as e:  # noqa: BLE001 -- every failure becomes a status, the server stays up
+            await self._abort_for(context, "execute", e, step_id=request.step_id)
+        self.num_steps += 1
+        return encode_result(result)
+
+    async def Reset(self, request, context):
+        worker = await self._require_worker(context)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, worker.reset)
+        except Exception as e:  # noqa: BLE001
+            await self._abort_for(context, "reset", e)
+        log.info("worker.reset", instance_id=self._instance_id)
+        return worker_pb2.ResetResponse(instance_id=self._instance_id)
+
+    async def _abort_for(self, context, what: str, exc: Exception, **fields) -> None:
+        code_name = getattr(exc, "grpc_code", "INTERNAL")
+        code = getattr(grpc.StatusCode, code_name, grpc.StatusCode.INTERNAL)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error(f"worker.{what}_failed", error=repr(exc), exc_info=exc, **fields)
+        else:
+            log.warning(f"worker.{what}_rejected", code=code.name, error=str(exc), **fields)
+        await context.abort(code, f"{what} failed: {exc}")
+
+
+async def create_worker_server(
+    address: str, servicer: WorkerServicer, *, options=SERVER_OPTIONS
+) -> tuple[grpc.aio.Server, str]:
+    """Start a `pagedkv.v1.Worker` server (+ health, reflection) on `address`.
+
+    Returns (server, the bound address: "host:port" with the real port, or "unix:///path").
+    Health is SERVING only if the servicer already holds a worker; otherwise `servicer.load()`
+    flips it. Stop with `await server.stop(grace)`, then `servicer.close()`.
+    """
+    server = grpc.aio.server(options=list(options))
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    servicer.attach_health(health)
+    await set_serving(health, [SERVICE_NAME], servicer.ready)
+    bound, _ = bind(server, address)
+    await server.start()
+    return server, bound
