@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV ?= .venv
 VENV_FLAGS ?=
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= worker,test
+EXTRAS ?= worker,cuda,bench,test
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.installed-stamp
@@ -37,9 +37,10 @@ $(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
 
 proto: $(PROTO_STAMP)
 
-# Until the gRPC services land, the main job is the in-process control-plane demo.
+# The main job: worker + control plane as two supervised processes on the embedded default
+# model (ARGS="--model DIR --device cuda ..." to change). Ctrl-C stops both.
 run: setup
-	$(PY) -m control_plane.demo $(ARGS)
+	$(BIN)/pagedkv serve $(ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
