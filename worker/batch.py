@@ -111,6 +111,40 @@ def build_model_inputs(
     )
 
 
+def fill_decode_inputs(
+    seqs: Sequence[ScheduledSequence],
+    block_size: int,
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    slot_mapping: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+) -> None:
+    """Write a decode batch (one token per sequence) into preallocated host arrays whose
+    first dimension is the padded batch size (a CUDA-graph bucket) >= len(seqs).
+
+    Rows past len(seqs) are padding that the kernels must ignore: token 0, position 0,
+    slot -1 (no KV write), seq_len 0 (no attention, zero output) and a table of null blocks.
+    Table columns past a row's ceil(seq_len / block_size) are never read; they are zeroed.
+    """
+    num_seqs = len(seqs)
+    if any(len(s.token_ids) != 1 for s in seqs) or num_seqs > input_ids.shape[0]:
+        raise ValueError("fill_decode_inputs takes at most one decode token per padded row")
+    block_tables[:] = NULL_BLOCK_ID
+    for row, seq in enumerate(seqs):
+        position = seq.start_pos
+        input_ids[row] = seq.token_ids[0]
+        positions[row] = position
+        slot_mapping[row] = seq.table[position // block_size] * block_size + position % block_size
+        seq_lens[row] = position + 1
+        num_blocks = blocks_needed(position + 1, block_size)
+        block_tables[row, :num_blocks] = seq.table[:num_blocks]
+    input_ids[num_seqs:] = 0
+    positions[num_seqs:] = 0
+    slot_mapping[num_seqs:] = -1
+    seq_lens[num_seqs:] = 0
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 

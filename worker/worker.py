@@ -22,8 +22,13 @@ import torch
 from torch import Tensor
 
 from control_plane.plan import KVLayout, Plan, SeqOutput, StepResult, WorkerInfo
+from kernels.driver import KernelLoadError
+from kernels.nvrtc import KernelCompileError
+from kernels.specs import AttentionGeometry
 from worker.backends import get_backend
 from worker.batch import ScheduledSequence, build_model_inputs
+from worker.cuda_graph import DecodeGraphRunner
+from worker.errors import WorkerConfigError
 from worker.kv_cache import KVCacheSpec, create_kv_cache
 from worker.model import CausalLM
 from worker.model_config import load_model_config
@@ -79,6 +84,7 @@ class Worker:
             max_model_len=self.max_model_len,
             contiguous=config.layout == KVLayout.CONTIGUOUS,
         )
+        self.decode_graphs = self._prepare_cuda()
         self.mirrors = SequenceMirrors()
         self.sampler = Sampler(config.seed)
         self.instance_id = uuid.uuid4().hex
@@ -100,10 +106,14 @@ class Worker:
         if not scheduled:
             return StepResult(step_id=plan.step_id), torch.empty(0, self.model_config.vocab_size)
         started = time.perf_counter()
-        inputs = build_model_inputs(scheduled, self.kv_cache.addressing_block_size, self.device)
         with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            if self.decode_graphs is not None and self.decode_graphs.accepts(scheduled):
+                sampling_hidden = self.decode_graphs.forward(scheduled)
+            else:
+                inputs = build_model_inputs(scheduled, self.kv_cache.addressing_block_size, self.device)
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
+                sampling_hidden = hidden[inputs.logits_indices]
+            logits = self.model.compute_logits(sampling_hidden)
             samples = self.sampler.sample(logits, rows)
         outputs = [
             SeqOutput(seq_id=seq_id, token_ids=sample.token_ids, logprobs=sample.logprobs)
@@ -116,6 +126,8 @@ class Worker:
         """Forget every sequence (the control plane will resend full tables)."""
         self.mirrors.clear()
         self.kv_cache.reset()
+        if self.decode_graphs is not None:
+            self.decode_graphs.invalidate()
 
     def block_table(self, seq_id: int) -> tuple[int, ...]:
         """The mirrored block table of a live sequence (debugging and tests)."""
@@ -162,6 +174,32 @@ class Worker:
     ) -> ScheduledSequence:
         table = self.kv_cache.physical_table(seq_id, block_ids)
         return ScheduledSequence(table=table, token_ids=token_ids, start_pos=start_pos, sample=sample)
+
+    def _prepare_cuda(self) -> DecodeGraphRunner | None:
+        """On CUDA: compile and load the kernels now (a bad geometry or driver fails at start),
+        and build the decode graph runner unless graphs are off or the layout is contiguous
+        (whose torch reference attention reads lengths on the host, which a graph cannot)."""
+        if self.device.type != "cuda":
+            return None
+        config = self.model_config
+        geometry = AttentionGeometry(
+            dtype=str(self.dtype).removeprefix("torch."),
+            head_dim=config.head_dim,
+            block_size=self.config.block_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+        )
+        try:
+            self.backend.prepare(geometry)
+        except (ValueError, KernelLoadError, KernelCompileError) as exc:
+            raise WorkerConfigError(
+                f"the CUDA kernels cannot serve this model on {self.device}: {exc}"
+            ) from exc
+        if not self.config.cuda_graph or self.config.layout != KVLayout.PAGED:
+            return None
+        return DecodeGraphRunner(
+            self.model, self.kv_cache, self.max_model_len, self.config.cuda_graph_max_batch_size, self.device
+        )
 
     def _describe(self) -> WorkerInfo:
         config = self.model_config

@@ -13,6 +13,12 @@ kv_layout        "paged" or "contiguous" (the baseline).
 max_model_len    cap on positions per sequence; default and ceiling: the model's
                  max_position_embeddings.
 seed             seed of the sampler's generator for requests without their own seed.
+cuda_graph       capture decode steps in CUDA graphs (CUDA device, paged layout only);
+                 `pagedkv worker --no-cuda-graph` turns it off (eager decode).
+cuda_graph_max_batch_size
+                 largest decode batch run through a graph (buckets 1, 2, 4, ... up to it);
+                 bigger decode batches and every step with a prefill run eagerly. Match the
+                 control plane's max_num_seqs (default 64) to graph every decode step.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class WorkerConfig:
     kv_layout: str = "paged"
     max_model_len: int | None = None
     seed: int = 0
+    cuda_graph: bool = True
+    cuda_graph_max_batch_size: int = 64
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -63,6 +71,10 @@ class WorkerConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise WorkerConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.cuda_graph_max_batch_size < 1:
+            raise WorkerConfigError(
+                f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}"
+            )
         if self.dtype not in (None, "auto", *SUPPORTED_DTYPES):
             raise WorkerConfigError(
                 f"dtype must be 'auto' or one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}"

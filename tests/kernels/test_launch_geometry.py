@@ -1,0 +1,145 @@
+"""Launch planning, argument packing and CUDA-graph bucketing: the host-side logic of the
+CUDA backend, checked without a GPU."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from kernels import launch
+from kernels.driver import KernelLoadError, check_driver_compatible, select_arch
+from kernels.launch import KernelArgs, plan_decode, prefill_launch
+from kernels.specs import DECODE_THREADS, PREFILL_BLOCK_M, read_sources
+from worker.batch import ScheduledSequence, fill_decode_inputs
+from worker.cuda_graph import bucket_for, bucket_sizes
+
+C_TYPES = {"i64": launch.I64, "int": launch.I32, "float": launch.F32}
+SIGNATURES = {
+    "write_kv_kernel": launch.WRITE_KV_SIGNATURE,
+    "copy_blocks_kernel": launch.COPY_BLOCKS_SIGNATURE,
+    "paged_attention_kernel": launch.DECODE_SIGNATURE,
+    "paged_attention_reduce_kernel": launch.REDUCE_SIGNATURE,
+    "prefill_attention_kernel": launch.PREFILL_SIGNATURE,
+}
+
+
+def declared_parameter_types(name: str) -> list[type]:
+    """The kernel's parameter list from its .cu source, mapped to ctypes (pointer, i64, int, float)."""
+    sources = "\n".join(read_sources()[0].values())
+    match = re.search(rf"\b{name}\(([^)]*)\)\s*\{{", sources)
+    assert match, f"kernel {name} not found in the sources"
+    types = []
+    for param in match.group(1).split(","):
+        declaration = " ".join(param.split())
+        if "*" in declaration:
+            types.append(launch.PTR)
+        else:
+            types.append(C_TYPES[declaration.removeprefix("const ").split()[0]])
+    return types
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_python_signatures_match_the_kernel_sources(name):
+    assert list(SIGNATURES[name]) == declared_parameter_types(name)
+
+
+def test_kernel_args_pack_typed_values_behind_a_pointer_array():
+    signature = (launch.PTR, launch.I64, launch.I32, launch.F32)
+    args = KernelArgs(signature, (0x7F00_0000_1000, -(1 << 40), -5, 0.25))
+    assert args.read_back() == [0x7F00_0000_1000, -(1 << 40), -5, 0.25]
+    assert args.pointer != 0
+    with pytest.raises(OverflowError):
+        KernelArgs((launch.I32,), (1 << 31,))
+    with pytest.raises(ValueError, match="takes 2 arguments"):
+        KernelArgs((launch.I32, launch.I32), (1,))
+
+
+def test_short_contexts_run_in_one_pass():
+    plan = plan_decode(rows=1, max_seq_len=300, block_size=16, ctas_per_row=2, num_sms=132)
+    assert not plan.split
+    assert plan.partition_tokens == 304  # covers the context, on a block boundary
+    assert plan.attention.grid == (1, 2, 1)
+    assert plan.attention.block == (DECODE_THREADS, 1, 1)
+    assert plan.attention.smem_bytes == 4 * 19
+
+
+def test_long_contexts_at_small_batch_split_and_reduce():
+    plan = plan_decode(rows=2, max_seq_len=4097, block_size=16, ctas_per_row=8, num_sms=132)
+    assert plan.split
+    assert plan.num_partitions == 9
+    assert plan.attention.grid == (2, 8, 9)
+    assert plan.reduce(num_heads=32).grid == (2, 32, 1)
+    assert plan.partial_shapes(32, 128) == ((2, 32, 9, 128), (2, 32, 9, 2))
+
+
+def test_large_batches_stay_single_pass_unless_shared_memory_does_not_fit():
+    big = plan_decode(rows=512, max_seq_len=4096, block_size=16, ctas_per_row=8, num_sms=132)
+    assert not big.split
+    tight = plan_decode(rows=512, max_seq_len=1 << 20, block_size=1, ctas_per_row=8, num_sms=132)
+    assert tight.split, "4 MB of block ids cannot be dynamic shared memory"
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 8, 16, 32, 64, 128, 256])
+def test_partitions_start_on_block_boundaries(block_size):
+    plan = plan_decode(rows=1, max_seq_len=10_000, block_size=block_size, ctas_per_row=1, num_sms=132)
+    assert plan.split and plan.partition_tokens % block_size == 0
+
+
+def test_graph_capacity_plan_does_not_depend_on_this_steps_lengths():
+    """The graph runner passes max_model_len: the plan (grid, smem, arguments) is a function of
+    the bucket and the capacity only, whatever the sequences' real lengths are."""
+    plans = {plan_decode(8, 4096, 16, 2, 132) for _ in range(3)}
+    assert len(plans) == 1
+    (plan,) = plans
+    assert plan.attention.smem_bytes == 4 * launch.PARTITION_TOKENS // 16
+
+
+def test_prefill_grid_covers_the_longest_query_in_64_row_tiles():
+    config = prefill_launch(max_query_len=130, num_heads=14, num_seqs=3, smem_bytes=46080)
+    assert config.grid == (-(-130 // PREFILL_BLOCK_M), 14, 3)
+    assert config.smem_bytes == 46080
+
+
+def test_buckets_are_powers_of_two_up_to_the_maximum():
+    assert bucket_sizes(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert bucket_sizes(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert bucket_sizes(1) == (1,)
+    assert bucket_for(5, bucket_sizes(64)) == 8
+    assert bucket_for(64, bucket_sizes(64)) == 64
+    assert bucket_for(65, bucket_sizes(64)) is None
+
+
+def test_fill_decode_inputs_derives_slots_and_pads_with_null_rows():
+    seqs = [
+        ScheduledSequence(
+            table=[7, 3], token_ids=[11], start_pos=5, sample=True
+        ),  # position 5 lives in table[1]
+        ScheduledSequence(table=[9], token_ids=[12], start_pos=0, sample=True),
+    ]
+    bucket, width, block_size = 4, 3, 4
+    ids, pos, slots = (np.full(bucket, 99, np.int64) for _ in range(3))
+    lens = np.full(bucket, 99, np.int32)
+    tables = np.full((bucket, width), 99, np.int32)
+    fill_decode_inputs(seqs, block_size, ids, pos, slots, lens, tables)
+    assert ids.tolist() == [11, 12, 0, 0]
+    assert pos.tolist() == [5, 0, 0, 0]
+    assert slots.tolist() == [3 * 4 + 1, 9 * 4 + 0, -1, -1]
+    assert lens.tolist() == [6, 1, 0, 0]
+    assert tables.tolist() == [[7, 3, 0], [9, 0, 0], [0, 0, 0], [0, 0, 0]]
+
+
+def test_arch_selection_and_driver_compatibility():
+    supported = [75, 80, 86, 87, 89, 90, 100]
+    assert select_arch((8, 7), supported) == "sm_87"
+    assert select_arch((9, 0), supported) == "sm_90"
+    assert select_arch((8, 8), [80, 86, 87, 90]) == "sm_87"  # newest same-major arch below
+    with pytest.raises(KernelLoadError, match="sm_80"):
+        select_arch((7, 5), supported)
+    with pytest.raises(KernelLoadError, match="cannot generate code"):
+        select_arch((12, 0), [80, 90])
+    check_driver_compatible((13, 0), 13000)
+    check_driver_compatible((12, 6), 12080)
+    with pytest.raises(KernelLoadError, match="nvidia-cuda-nvrtc-cu12"):
+        check_driver_compatible((13, 0), 12060)  # pip NVRTC 13 on JetPack 6 (CUDA 12.6)

@@ -1,0 +1,310 @@
+"""The CUDA attention backend: NVRTC-compiled kernels (kernels/) launched on torch's stream.
+
+Implements worker.backends.base.AttentionBackend with the same semantics as the CPU oracle
+(slot < 0 skipped, block tables padded with the null block, seq_lens including this step's
+tokens, causal rule and GQA mapping as documented there). Torch does everything else.
+
+    write_kv         write_kv_kernel<T>: one CTA per token, 16-byte vectors
+    paged_attention  max_query_len == 1, or fp32:  paged_attention_kernel (+ split-K reduce)
+                     max_query_len  > 1, fp16/bf16: prefill_attention_kernel (tensor cores)
+    copy_blocks      copy_blocks_kernel: all layers' K and V pools in one launch
+
+Kernels are compiled on first use for the device's arch (through the on-disk cubin cache)
+and loaded into torch's primary context (kernels.driver). `prepare` does it eagerly so a bad
+geometry or driver fails at worker start, not on the first request.
+
+CUDA-graph safety: no op here synchronises with the host or reads a tensor's values; every
+launch argument is a pointer or a shape-derived constant. The decode launch is planned from
+(rows, max_seq_len) only, so a graph runner that passes its buffer capacity as max_seq_len
+gets the same grid, shared memory and arguments on every replay (kernels.launch.plan_decode).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from kernels.cubin_cache import CubinCache
+from kernels.driver import DriverDevice, LoadedKernel
+from kernels.launch import (
+    COPY_BLOCKS_SIGNATURE,
+    DECODE_SIGNATURE,
+    PREFILL_SIGNATURE,
+    REDUCE_SIGNATURE,
+    WRITE_KV_SIGNATURE,
+    KernelArgs,
+    copy_blocks_launch,
+    plan_decode,
+    prefill_launch,
+    write_kv_launch,
+)
+from kernels.specs import (
+    AttentionGeometry,
+    ProgramSpec,
+    cache_ops_program,
+    decode_program,
+    prefill_program,
+    prefill_smem_bytes,
+    programs_for,
+)
+
+LOG2E = math.log2(math.e)
+_ALIGN = 16  # bytes: every vector load/store in the kernels is 16 bytes wide
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def aligned_rows(t: Tensor) -> Tensor:
+    """`t` [N, heads, head_dim] if its rows are laid out as the kernels need (last two dims
+    dense, base and row stride 16-byte aligned), else a packed copy."""
+    size = t.element_size()
+    ok = (
+        t.stride(-1) == 1
+        and t.stride(-2) == t.shape[-1]
+        and t.data_ptr() % _ALIGN == 0
+        and (t.stride(0) * size) % _ALIGN == 0
+    )
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
+
+
+class CudaAttentionBackend:
+    """AttentionBackend on one CUDA device. Not thread-safe (the worker runs one plan at a time)."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | str, cache: CubinCache | None = None) -> None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"CudaAttentionBackend needs a CUDA device, got {device}")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        # Let torch create (and make current) the primary context before the driver API looks.
+        torch.cuda.init()
+        with torch.cuda.device(self.device):
+            torch.zeros(1, device=self.device)
+            self.driver = DriverDevice(index)
+        self.cache = cache if cache is not None else CubinCache()
+        self._loaded: dict[ProgramSpec, dict[str, LoadedKernel]] = {}
+        self._pointer_tables: dict[tuple[int, ...], Tensor] = {}
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def prepare(self, geometry: AttentionGeometry) -> None:
+        """Compile and load every kernel a model with this geometry launches."""
+        for spec in programs_for(geometry):
+            self._kernels(spec)
+
+    def _kernels(self, spec: ProgramSpec) -> dict[str, LoadedKernel]:
+        loaded = self._loaded.get(spec)
+        if loaded is None:
+            loaded = self._loaded[spec] = self.driver.load(spec, self.cache)
+        return loaded
+
+    def _stream(self) -> int:
+        self.driver.make_current()
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    # -- AttentionBackend ----------------------------------------------------------------
+
+    def write_kv(
+        self, k_cache: Tensor, v_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor
+    ) -> None:
+        num_tokens = key.shape[0]
+        if num_tokens == 0:
+            return
+        _, _, num_kv_heads, head_dim = k_cache.shape
+        key = aligned_rows(key.to(k_cache.dtype))
+        value = aligned_rows(value.to(v_cache.dtype))
+        slots = slot_mapping.to(torch.int64).contiguous()
+        spec = cache_ops_program(dtype_name(k_cache.dtype))
+        kernel = self._kernels(spec)[spec.name_expressions[0]]
+        args = KernelArgs(
+            WRITE_KV_SIGNATURE,
+            (
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                key.data_ptr(),
+                value.data_ptr(),
+                slots.data_ptr(),
+                key.stride(0),
+                value.stride(0),
+                num_kv_heads * head_dim,
+            ),
+        )
+        kernel.launch(write_kv_launch(num_tokens), args, self._stream())
+
+    def paged_attention(
+        self,
+        query: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        query_start_loc: Tensor,
+        scale: float,
+        max_query_len: int,
+        max_seq_len: int,
+    ) -> Tensor:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        self.paged_attention_into(
+            out,
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            max_query_len,
+            max_seq_len,
+        )
+        return out
+
+    def paged_attention_into(
+        self,
+        out: Tensor,
+        query: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        query_start_loc: Tensor,
+        scale: float,
+        max_query_len: int,
+        max_seq_len: int,
+    ) -> None:
+        """`paged_attention` into a caller-owned contiguous `out` (tests poison it with NaN to
+        prove every element is written)."""
+        if query.shape[0] == 0:
+            return
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        geometry = AttentionGeometry(
+            dtype_name(k_cache.dtype), head_dim, block_size, query.shape[1], num_kv_heads
+        )
+        geometry.validate()
+        if not out.is_contiguous() or out.shape != query.shape or out.dtype != k_cache.dtype:
+            raise ValueError("out must be a contiguous tensor of the query's shape, in the cache dtype")
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        qsl = query_start_loc.to(torch.int32).contiguous()
+        query = aligned_rows(query.to(k_cache.dtype))
+        if max_query_len > 1 and geometry.dtype != "float32":
+            self._prefill(out, query, k_cache, v_cache, tables, lens, qsl, scale, max_query_len, geometry)
+        else:
+            self._decode(out, query, k_cache, v_cache, tables, lens, qsl, scale, max_seq_len, geometry)
+
+    def copy_blocks(self, k_caches: list[Tensor], v_caches: list[Tensor], block_pairs: Tensor) -> None:
+        """One launch over every (pair, pool). Requires, as the control plane guarantees,
+        that no block is both a source and a destination and destinations are distinct."""
+        if block_pairs.numel() == 0:
+            return
+        caches = [*k_caches, *v_caches]
+        first = caches[0]
+        if any(c.shape != first.shape or c.dtype != first.dtype or not c.is_contiguous() for c in caches):
+            raise ValueError("copy_blocks needs contiguous pools of one shape and dtype")
+        pairs = block_pairs.to(device=self.device, dtype=torch.int64).contiguous()
+        spec = cache_ops_program(dtype_name(first.dtype))
+        kernel = self._kernels(spec)[spec.name_expressions[1]]
+        block_bytes = first.stride(0) * first.element_size()
+        args = KernelArgs(
+            COPY_BLOCKS_SIGNATURE, (self._pointer_table(caches).data_ptr(), pairs.data_ptr(), block_bytes)
+        )
+        kernel.launch(copy_blocks_launch(pairs.shape[0], len(caches)), args, self._stream())
+
+    # -- launches --------------------------------------------------------------------------
+
+    def _decode(self, out, query, k_cache, v_cache, tables, lens, qsl, scale, max_seq_len, g) -> None:
+        spec = decode_program(g.dtype, g.head_dim, g.block_size, g.group_tile)
+        kernels = self._kernels(spec)
+        attention = kernels[spec.name_expressions[0]]
+        rows = query.shape[0]
+        plan = plan_decode(
+            rows,
+            max_seq_len,
+            g.block_size,
+            g.num_kv_heads * g.head_chunks,
+            self.driver.num_sms,
+            attention.max_dynamic_smem,
+        )
+        part_out = part_ml = None
+        if plan.split:
+            acc_shape, ml_shape = plan.partial_shapes(g.num_heads, g.head_dim)
+            part_out = torch.empty(acc_shape, dtype=torch.float32, device=self.device)
+            part_ml = torch.empty(ml_shape, dtype=torch.float32, device=self.device)
+        num_seqs = lens.shape[0]
+        args = KernelArgs(
+            DECODE_SIGNATURE,
+            (
+                out.data_ptr(),
+                0 if part_out is None else part_out.data_ptr(),
+                0 if part_ml is None else part_ml.data_ptr(),
+                query.data_ptr(),
+                query.stride(0),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                tables.data_ptr(),
+                tables.stride(0),
+                lens.data_ptr(),
+                qsl.data_ptr(),
+                num_seqs,
+                g.num_heads,
+                g.num_kv_heads,
+                scale * LOG2E,
+                plan.partition_tokens,
+            ),
+        )
+        stream = self._stream()
+        attention.launch(plan.attention, args, stream)
+        if plan.split:
+            reduce_args = KernelArgs(
+                REDUCE_SIGNATURE,
+                (
+                    out.data_ptr(),
+                    part_out.data_ptr(),
+                    part_ml.data_ptr(),
+                    lens.data_ptr(),
+                    qsl.data_ptr(),
+                    num_seqs,
+                    plan.num_partitions,
+                    plan.partition_tokens,
+                ),
+            )
+            kernels[spec.name_expressions[1]].launch(plan.reduce(g.num_heads), reduce_args, stream)
+
+    def _prefill(self, out, query, k_cache, v_cache, tables, lens, qsl, scale, max_query_len, g) -> None:
+        spec = prefill_program(g.dtype, g.head_dim, g.block_size)
+        kernel = self._kernels(spec)[spec.name_expressions[0]]
+        config = prefill_launch(
+            max_query_len, g.num_heads, lens.shape[0], prefill_smem_bytes(g.dtype, g.head_dim)
+        )
+        args = KernelArgs(
+            PREFILL_SIGNATURE,
+            (
+                out.data_ptr(),
+                query.data_ptr(),
+                query.stride(0),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                tables.data_ptr(),
+                tables.stride(0),
+                lens.data_ptr(),
+                qsl.data_ptr(),
+                g.num_heads,
+                g.num_kv_heads,
+                scale * LOG2E,
+            ),
+        )
+        kernel.launch(config, args, self._stream())
+
+    def _pointer_table(self, caches: list[Tensor]) -> Tensor:
+        """Device array of the pools' base addresses, built once per set of pools."""
+        key = tuple(c.data_ptr() for c in caches)
+        table = self._pointer_tables.get(key)
+        if table is None:
+            table = torch.tensor(key, dtype=torch.int64).to(self.device)
+            self._pointer_tables[key] = table
+        return table
