@@ -42,7 +42,7 @@ from control_plane.errors import (
 )
 from control_plane.plan import Plan, SamplingParams, StepResult, WorkerInfo
 from control_plane.request import FinishReason, RequestOutput
-from control_plane.request_stream import Chunk, RequestStream
+from control_plane.request_stream import Chunk, RequestStream, TokenTimings
 from control_plane.scheduler import Scheduler
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.stats import SequenceTable, StatsSnapshot
@@ -66,6 +66,15 @@ class AsyncWorker(Protocol):
     async def reset(self, timeout: float | None = None) -> str: ...
 
     async def close(self) -> None: ...
+
+
+class EngineObserver(Protocol):
+    """Receives the latencies the engine measures (pagedkv.metrics turns them into
+    histograms). Called on the event loop thread; must not block."""
+
+    def on_step(self, seconds: float) -> None: ...
+
+    def on_tokens(self, timings: TokenTimings) -> None: ...
 
 
 @dataclass(slots=True)
@@ -104,7 +113,8 @@ class AsyncEngine:
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_worker_losses = 0
-        self.last_step_seconds = 0.0
+        self.num_generation_tokens = 0  # tokens sampled for clients since start (all samples)
+        self._observer: EngineObserver | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -133,6 +143,10 @@ class AsyncEngine:
     def add_availability_listener(self, listener: Callable[[bool], None]) -> None:
         """Called with True when a worker connects and False when it is lost or we drain."""
         self._listeners.append(listener)
+
+    def set_observer(self, observer: EngineObserver | None) -> None:
+        """Report step durations and token latencies to `observer` (one at a time)."""
+        self._observer = observer
 
     def drain(self) -> None:
         """Refuse new requests from now on (UNAVAILABLE); live ones keep running."""
@@ -302,7 +316,8 @@ class AsyncEngine:
                 raise _StepFailed(e, lost=True) from None
             except WorkerStepError as e:
                 raise _StepFailed(e, lost=False) from None
-            self.last_step_seconds = time.perf_counter() - started
+            if self._observer is not None:
+                self._observer.on_step(time.perf_counter() - started)
             self._dispatch(sched.update(plan, result))
 
     async def _recover(self, failure: _StepFailed) -> None:
@@ -339,6 +354,7 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         batches: dict[str, list[Chunk]] = {}
         for out in outputs:
+            self.num_generation_tokens += len(out.new_token_ids)
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # the client already went away
@@ -348,7 +364,9 @@ class AsyncEngine:
             batches.setdefault(out.request_id, []).append(chunk)
         for request_id, chunks in batches.items():
             stream = self._streams[request_id]
-            stream.push(chunks)
+            timings = stream.push(chunks)
+            if self._observer is not None:
+                self._observer.on_tokens(timings)
             if stream.done:
                 del self._streams[request_id]
                 self._log_finished(stream, chunks)

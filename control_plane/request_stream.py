@@ -17,11 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from control_plane.errors import EngineError
 from control_plane.request import FinishReason, RequestOutput, Usage
 from control_plane.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class TokenTimings:
+    """Latencies one `push` observed, for the metrics: the request's time to first token (at
+    most once per request) and, per sample, the gap since that sample's previous token."""
+
+    first_token_s: float | None = None
+    inter_token_s: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -83,6 +92,7 @@ class RequestStream:
         self.done = False  # every sample has finished, or the stream failed
         self.created = time.monotonic()
         self.first_token_at: float | None = None
+        self._last_token_at: list[float | None] = [None] * n  # per sample, for inter-token gaps
         self.num_tokens = 0
 
     def to_chunk(self, out: RequestOutput) -> tuple[Chunk, bool]:
@@ -97,18 +107,30 @@ class RequestStream:
         chunk = Chunk(out.index, out.new_token_ids, text, out.finish_reason, out.usage, out.logprobs)
         return chunk, matched
 
-    def push(self, chunks: list[Chunk]) -> None:
+    def push(self, chunks: list[Chunk]) -> TokenTimings:
+        """Queue one step's chunks for the client; returns the latencies they complete.
+
+        One inter-token gap per token-bearing chunk after a sample's first (a step gives a
+        sample at most one token), so a sample of k tokens contributes k - 1 gaps."""
+        timings = TokenTimings()
         if self.done:
-            return
+            return timings
+        now = time.monotonic()
         for c in chunks:
             if c.token_ids:
                 self.num_tokens += len(c.token_ids)
                 if self.first_token_at is None:
-                    self.first_token_at = time.monotonic()
+                    self.first_token_at = now
+                    timings.first_token_s = now - self.created
+                last = self._last_token_at[c.index]
+                if last is not None:
+                    timings.inter_token_s.append(now - last)
+                self._last_token_at[c.index] = now
             if c.finish_reason is not None:
                 self._num_finished += 1
         self.done = self._num_finished >= self.n
         self._queue.put_nowait(chunks)
+        return timings
 
     def fail(self, error: EngineError) -> None:
         """End the stream with an error status (worker lost, server stopping)."""

@@ -17,6 +17,7 @@ import asyncio
 import functools
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from control_plane import api_codec
 from control_plane.engine_loop import AsyncEngine
@@ -26,6 +27,10 @@ from pagedkv.logs import get_logger
 from pagedkv.v1 import engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+# Health service name that is SERVING for as long as the server runs, whatever the worker
+# does: a liveness probe (`grpc: {service: liveness}` in Kubernetes) asks "is the process
+# answering?", and must not restart a control plane that is waiting for its worker.
+LIVENESS_SERVICE = "liveness"
 log = get_logger("pagedkv.control")
 
 
@@ -118,13 +123,15 @@ async def create_server(
     """Start `pagedkv.v1.Engine` (+ health, reflection) on `address` and the engine loop.
 
     Returns (server, the bound address: "host:port" with the real port, or "unix:///path").
-    Health is NOT_SERVING until the engine has connected to its worker, and again whenever the
-    worker is lost. Shut down with `await shutdown(server, engine, grace)`.
+    Health ("" and the Engine service) is NOT_SERVING until the engine has connected to its
+    worker, and again whenever the worker is lost; LIVENESS_SERVICE is SERVING throughout.
+    Shut down with `await shutdown(server, engine, grace)`.
     """
     server = grpc.aio.server(options=list(options))
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     await set_serving(health, [SERVICE_NAME], False)
+    await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     tasks: set[asyncio.Task] = set()
 
     def on_availability(ok: bool) -> None:

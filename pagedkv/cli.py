@@ -43,6 +43,25 @@ def _positive(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535 (0 = any free port), got {value}")
+    return value
+
+
+def _interval(text: str) -> float:
+    value = float(text)
+    if not 0.01 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"poll interval must be 0.01..3600 seconds, got {text}")
+    return value
+
+
+def _add_metrics_flags(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--metrics-port", type=_port, help=f"serve {what} Prometheus /metrics on this port")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+
+
 def _add_logging(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", choices=FORMATS, default="console", help="log lines as JSON or for humans")
     p.add_argument("--log-level", choices=LEVELS, default="info", type=str.lower)
@@ -85,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="run the worker process (model + KV pool)")
     w.add_argument("--listen", default=DEFAULT_WORKER, help=f"HOST:PORT or unix:///path ({DEFAULT_WORKER})")
     _add_worker_flags(w)
+    _add_metrics_flags(w, "the worker's")
     _lifecycle_flags(w)
 
     c = sub.add_parser("control", help="run the control-plane process (public API)")
@@ -96,8 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-model-len", type=_positive, help="cap below the worker's max length")
     c.add_argument("--max-queue", type=_positive, default=1024, help="waiting requests allowed")
     c.add_argument("--max-n", type=_positive, default=16, help="largest n (parallel samples) accepted")
-    c.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    c.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    _add_metrics_flags(c, "the control plane's")
     c.add_argument("--worker-grace", type=float, default=5.0, help="seconds requests wait for a lost worker")
     c.add_argument("--step-timeout", type=float, default=300.0, help="seconds one Execute may take")
     _lifecycle_flags(c)
@@ -107,7 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=50051, help="public port (0 = any free port)")
     _add_worker_flags(s, for_serve=True)
     _add_scheduler_flags(s)
-    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    s.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="P",
+        help="Prometheus /metrics: the control plane's on P, the worker's on P+1 (0: any free ports)",
+    )
+    s.add_argument("--metrics-host", default="127.0.0.1", help="address of both metrics endpoints")
     _add_logging(s)
 
     g = sub.add_parser("generate", help="stream a generation")
@@ -126,9 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("stats", help="KV pool and scheduler statistics")
     st.add_argument("--json", action="store_true")
+    st.add_argument(
+        "--metrics",
+        metavar="URL",
+        help="also read latency and throughput from this /metrics endpoint (http://HOST:PORT/metrics)",
+    )
     bt = sub.add_parser("block-table", help="a live request's block tables")
     bt.add_argument("request_id")
     bt.add_argument("--json", action="store_true")
+    bt.add_argument("--watch", action="store_true", help="poll and print blocks as they are appended")
+    bt.add_argument("--interval", type=_interval, default=0.2, help="seconds between polls (default 0.2)")
     mi = sub.add_parser("model-info", help="the served model and KV geometry")
     mi.add_argument("--json", action="store_true")
     for p in (g, st, bt, mi):

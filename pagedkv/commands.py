@@ -3,13 +3,20 @@
 Human output goes to stdout (generated text streams as it arrives); `--json` prints one JSON
 object per protobuf message (field names as in the .proto). Errors print the server's status
 and message to stderr and exit 1.
+
+`stats --metrics URL` adds what GetStats does not carry (generated tokens, latency
+histograms) from the control plane's Prometheus endpoint. `block-table ID --watch` polls the
+table and prints each change -- blocks appended as decode crosses a block boundary, tables
+replaced by copy-on-write or recompute -- until the request ends (NOT_FOUND: exit 0).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
+import grpc
 from google.protobuf import json_format
 
 from pagedkv.client import Client, ClientError
@@ -111,14 +118,28 @@ def cmd_stats(args) -> int:
             s = client.stats(timeout=10.0)
         except ClientError as e:
             return _fail(e)
+    metrics = _read_metrics(args.metrics) if args.metrics else None
     if args.json:
-        print(_to_json(s))
+        d = json_format.MessageToDict(
+            s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+        if metrics is not None:
+            d["metrics"] = metrics
+        print(json.dumps(d))
         return 0
+    for name, value in [*stats_rows(s), *metrics_rows(metrics or {})]:
+        print(f"{name:<26}{value}")
+    return 0
+
+
+def stats_rows(s: engine_pb2.EngineStats) -> list[tuple[str, object]]:
     hist = ", ".join(f"{k}:{v}" for k, v in sorted(s.ref_count_histogram.items())) or "-"
     hits = f"{s.prefix_cache_hit_rate:.1%}  ({s.prefix_cache_hits}/{s.prefix_cache_queries} tokens)"
-    rows = [
+    used = s.num_blocks_total - s.num_blocks_free
+    return [
         ("worker available", s.worker_available),
         ("KV blocks free / total", f"{s.num_blocks_free} / {s.num_blocks_total}"),
+        ("KV blocks used", used),
         ("block size", f"{s.block_size} tokens"),
         ("KV usage", f"{s.kv_usage:.1%}"),
         ("cached blocks", s.num_blocks_cached),
@@ -132,9 +153,52 @@ def cmd_stats(args) -> int:
         ("blocks allocated", f"{s.blocks_allocated_total}  ({s.blocks_allocated_per_s:.1f}/s)"),
         ("steps", s.num_steps),
     ]
-    for name, value in rows:
-        print(f"{name:<26}{value}")
-    return 0
+
+
+_LATENCIES = (
+    ("time to first token", "pagedkv_time_to_first_token_seconds"),
+    ("inter-token latency", "pagedkv_inter_token_latency_seconds"),
+    ("step time", "pagedkv_step_duration_seconds"),
+)
+
+
+def _read_metrics(url: str) -> dict:
+    """What the table adds from /metrics: counters and latency summaries (ValueError if unreadable)."""
+    from pagedkv.metrics import scrape, summarize_histogram
+
+    families = scrape(url)
+    if "pagedkv_step_duration_seconds" not in families:
+        raise ValueError(
+            f"{url} is not a pagedkv control plane's /metrics (no pagedkv_step_duration_seconds)"
+        )
+    flat = {k: v for samples in families.values() for k, v in samples.items()}
+    out = {
+        "generation_tokens_total": int(flat.get("pagedkv_generation_tokens_total", 0)),
+        "worker_losses_total": int(flat.get("pagedkv_worker_losses_total", 0)),
+    }
+    for _, name in _LATENCIES:
+        h = summarize_histogram(families[name], name)
+        out[name.removeprefix("pagedkv_")] = {"count": h.count, "mean": h.mean, "p50": h.p50, "p90": h.p90}
+    return out
+
+
+def metrics_rows(metrics: dict) -> list[tuple[str, object]]:
+    if not metrics:
+        return []
+    rows: list[tuple[str, object]] = [
+        ("generated tokens", metrics["generation_tokens_total"]),
+        ("worker losses", metrics["worker_losses_total"]),
+    ]
+    for label, name in _LATENCIES:
+        h = metrics[name.removeprefix("pagedkv_")]
+        value = "-"
+        if h["count"]:
+            value = (
+                f"mean {h['mean'] * 1e3:.1f} ms, p50 ~{h['p50'] * 1e3:.1f} ms, "
+                f"p90 ~{h['p90'] * 1e3:.1f} ms  ({h['count']})"
+            )
+        rows.append((label, value))
+    return rows
 
 
 def cmd_block_table(args) -> int:
@@ -143,16 +207,63 @@ def cmd_block_table(args) -> int:
             t = client.block_table(args.request_id, timeout=10.0)
         except ClientError as e:
             return _fail(e)
-    if args.json:
-        print(_to_json(t))
-        return 0
+        _print_table(t, args.json)
+        if args.watch:
+            return _watch_table(client, t, args)
+    return 0
+
+
+def _print_table(t: engine_pb2.BlockTable, as_json: bool) -> None:
+    if as_json:
+        print(_to_json(t), flush=True)
+        return
     print(f"request {t.request_id} (block size {t.block_size})")
     for s in t.sequences:
         print(
             f"  sample {s.index}: {len(s.block_ids)} blocks, {s.num_tokens} tokens "
-            f"({s.num_computed_tokens} computed): {list(s.block_ids)}"
+            f"({s.num_computed_tokens} computed): {list(s.block_ids)}",
+            flush=True,
         )
-    return 0
+
+
+def _watch_table(client: Client, table: engine_pb2.BlockTable, args) -> int:
+    """Poll until the request ends; print each change (JSON: the whole table again)."""
+    seen = {s.index: list(s.block_ids) for s in table.sequences}
+    while True:
+        time.sleep(args.interval)
+        try:
+            table = client.block_table(args.request_id, timeout=10.0)
+        except ClientError as e:
+            if e.code != grpc.StatusCode.NOT_FOUND:
+                return _fail(e)
+            print(f"request {args.request_id} ended (no longer live); watch over", file=_note_stream(args))
+            return 0
+        now = {s.index: list(s.block_ids) for s in table.sequences}
+        if now == seen:
+            continue
+        if args.json:
+            _print_table(table, as_json=True)
+        else:
+            for s in table.sequences:
+                _print_change(s, seen.get(s.index))
+            for index in sorted(seen.keys() - now.keys()):
+                print(f"  sample {index}: finished (blocks released)", flush=True)
+        seen = now
+
+
+def _print_change(s, before: list[int] | None) -> None:
+    ids = list(s.block_ids)
+    if before == ids:
+        return
+    if before is not None and len(ids) > len(before) and ids[: len(before)] == before:
+        what = f"+{ids[len(before) :]} appended"
+    else:  # new sample (fork), copy-on-write replacement, or preempted and recomputed
+        what = "table replaced"
+    print(f"  sample {s.index}: {what} -> {len(ids)} blocks, {s.num_tokens} tokens: {ids}", flush=True)
+
+
+def _note_stream(args):
+    return sys.stderr if args.json else sys.stdout
 
 
 def cmd_model_info(args) -> int:

@@ -5,7 +5,8 @@ allocated; control: connected to its worker), and runs until SIGINT/SIGTERM, the
 gracefully: health NOT_SERVING, no new RPCs, in-flight ones get `--shutdown-grace` seconds.
 
 `--ready-file PATH` (for supervisors and tests): once listening, the process writes
-{"address": ..., "pid": ...} to PATH atomically (the real port when listening on port 0).
+{"address": ..., "pid": ...} to PATH atomically (the real port when listening on port 0),
+plus "metrics_url" when `--metrics-port` serves Prometheus metrics.
 Exit status: 0 after a signal, 1 when start-up failed (the reason is logged), 2 for bad flags.
 """
 
@@ -21,12 +22,24 @@ from pathlib import Path
 from pagedkv.logs import configure_logging, get_logger
 
 
-def _write_ready_file(path: str | None, address: str) -> None:
+def _write_ready_file(path: str | None, address: str, metrics=None) -> None:
     if not path:
         return
+    ready = {"address": address, "pid": os.getpid()}
+    if metrics is not None:
+        ready["metrics_url"] = metrics.url
     tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+    tmp.write_text(json.dumps(ready))
     os.replace(tmp, path)
+
+
+def _start_metrics(args, make_metrics):
+    """The MetricsServer for `--metrics-port`, or None when the flag is absent."""
+    if args.metrics_port is None:
+        return None
+    from pagedkv.metrics import serve_metrics
+
+    return serve_metrics(make_metrics().registry, args.metrics_host, args.metrics_port)
 
 
 def _stop_event() -> asyncio.Event:
@@ -60,6 +73,7 @@ def worker_config_from_args(args):
 
 
 async def _worker_main(args) -> int:
+    from pagedkv.metrics import WorkerMetrics
     from worker import Worker
     from worker.service import WorkerServicer, create_worker_server
 
@@ -68,9 +82,10 @@ async def _worker_main(args) -> int:
     if args.no_cuda_graph and not hasattr(config, "cuda_graph"):
         log.info("worker.flag_ignored", flag="--no-cuda-graph", reason="the worker has no CUDA-graph option")
     servicer = WorkerServicer()
+    metrics = _start_metrics(args, lambda: WorkerMetrics(servicer))  # first: a bad port fails fast
     server, address = await create_worker_server(args.listen, servicer)
     log.info("worker.listening", address=address, status="NOT_SERVING until the model and KV pool are ready")
-    _write_ready_file(args.ready_file, address)
+    _write_ready_file(args.ready_file, address, metrics)
     stop = _stop_event()
     load = asyncio.create_task(servicer.load(lambda: Worker(config)))
     stopped = asyncio.create_task(stop.wait())
@@ -86,6 +101,8 @@ async def _worker_main(args) -> int:
     load.cancel()
     await server.stop(args.shutdown_grace)
     servicer.close()
+    if metrics is not None:
+        metrics.close()
     return code
 
 
@@ -119,12 +136,14 @@ async def _control_main(args) -> int:
     from control_plane.engine_loop import AsyncEngine, EngineOptions
     from control_plane.service import create_server, shutdown
     from control_plane.worker_client import WorkerClient
-    from pagedkv.metrics import start_metrics_server
+    from pagedkv.metrics import ControlPlaneMetrics
 
     log = get_logger("pagedkv.control")
     config = scheduler_config_from_args(args)
     worker = WorkerClient(args.worker, step_timeout_s=args.step_timeout)
     engine = AsyncEngine(worker, config, EngineOptions(worker_grace_s=args.worker_grace))
+    loop = asyncio.get_running_loop()
+    metrics = _start_metrics(args, lambda: ControlPlaneMetrics(engine, loop))  # first: fails fast
     server, address = await create_server(args.listen, engine)
     log.info(
         "control.listening",
@@ -135,12 +154,12 @@ async def _control_main(args) -> int:
         max_num_batched_tokens=config.max_num_batched_tokens,
         prefix_caching=config.enable_prefix_caching,
     )
-    if args.metrics_port is not None:
-        start_metrics_server(args.metrics_port, args.metrics_host, engine, asyncio.get_running_loop())
-    _write_ready_file(args.ready_file, address)
+    _write_ready_file(args.ready_file, address, metrics)
     await _stop_event().wait()
     log.info("control.stopping", grace_s=args.shutdown_grace, live_requests=engine.num_live_requests)
     await shutdown(server, engine, args.shutdown_grace)
+    if metrics is not None:
+        metrics.close()
     return 0
 
 

@@ -9,6 +9,9 @@ ready-to-paste commands, then watches: if either child exits, the other is stopp
 `serve` exits non-zero. SIGINT (Ctrl-C) / SIGTERM stop the control plane first (in-flight
 streams get its grace period), then the worker; exit status 0. Children get SIGTERM when the
 supervisor itself dies (Linux parent-death signal), so they are never orphaned.
+
+`--metrics-port P`: the control plane serves Prometheus /metrics on P, the worker on P + 1
+(`--metrics-port 0`: both on any free port; the control plane's is printed).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
     worker = [*base, "worker", "--listen", sock, *logging_flags]
     worker_flags = ["model", "device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "kv_layout"]
     worker += _flags(args, [*worker_flags, "max_model_len"])
+    worker += _metrics_flags(args, worker_metrics_port(args.metrics_port))
     control = [*base, "control", "--worker", sock, "--listen", f"{args.host}:{args.port}", *logging_flags]
     control += ["--ready-file", str(ready)]
     control += _flags(
@@ -65,10 +69,25 @@ def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
             "no_prefix_caching",
             "policy",
             "max_model_len",
-            "metrics_port",
         ],
     )
+    control += _metrics_flags(args, args.metrics_port)
     return worker, control, ready
+
+
+def worker_metrics_port(control_port: int | None) -> int | None:
+    """The worker's metrics port beside the control plane's P: P + 1 (0 stays 0: any free)."""
+    if control_port is None or control_port == 0:
+        return control_port
+    if control_port >= 65535:
+        raise ValueError("--metrics-port must be below 65535: the worker's metrics use the next port")
+    return control_port + 1
+
+
+def _metrics_flags(args, port: int | None) -> list[str]:
+    if port is None:
+        return []
+    return ["--metrics-port", str(port), "--metrics-host", args.metrics_host]
 
 
 class Supervisor:
@@ -125,7 +144,7 @@ def _wait_ready(sup: Supervisor, ready_file: Path) -> str | None:
     return None
 
 
-def _banner(address: str) -> str:
+def _banner(address: str, args, metrics_url: str | None) -> str:
     from pagedkv.client import Client
 
     with Client(address) as c:
@@ -145,13 +164,25 @@ def _banner(address: str) -> str:
             "try:",
             f"  {gen}",
             f"  grpcurl -plaintext -d {shlex.quote(body)} {address} pagedkv.v1.Engine/Generate",
-            f"  pagedkv stats --server {address}",
+            f"  pagedkv stats --server {address}" + (f" --metrics {metrics_url}" if metrics_url else ""),
+            *_metrics_lines(args, metrics_url),
             "Ctrl-C stops both processes.",
         ]
     )
 
 
+def _metrics_lines(args, metrics_url: str | None) -> list[str]:
+    if not metrics_url:
+        return []
+    lines = [f"metrics: {metrics_url} (control plane)"]
+    port = worker_metrics_port(args.metrics_port)
+    if port:
+        lines.append(f"         http://{args.metrics_host}:{port}/metrics (worker)")
+    return lines
+
+
 def run_serve(args) -> int:
+    worker_metrics_port(args.metrics_port)  # a bad port is a usage error before anything starts
     tmpdir = Path(tempfile.mkdtemp(prefix="pagedkv-"))
     worker_cmd, control_cmd, ready_file = child_commands(args, tmpdir)
     sup = Supervisor(worker_cmd, control_cmd)
@@ -161,7 +192,8 @@ def run_serve(args) -> int:
         address = _wait_ready(sup, ready_file)
         if address is None:
             return _finish(sup, "did not become ready")
-        print(_banner(address), flush=True)
+        metrics_url = json.loads(ready_file.read_text()).get("metrics_url")
+        print(_banner(address, args, metrics_url), flush=True)
         while not sup.stop_requested.wait(0.2):
             if sup.first_exited() is not None:
                 return _finish(sup, "exited")

