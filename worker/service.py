@@ -67,13 +67,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._instance_id = ""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-worker")
         self._health = None
+        self.info: WorkerInfo | None = None
         self.num_steps = 0
+        self._observe_execute: Callable[[float], None] | None = None
         if worker is not None:
             self._set_worker(worker)
 
     # -- lifecycle --------------------------------------------------------------------------
     def attach_health(self, health_servicer) -> None:
         self._health = health_servicer
+
+    def set_execute_observer(self, observe: Callable[[float], None] | None) -> None:
+        """`observe(seconds)` is called on the step thread after every plan (pagedkv.metrics)."""
+        self._observe_execute = observe
 
     @property
     def ready(self) -> bool:
@@ -96,7 +102,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._worker = worker
         self._info_pb = encode_worker_info(info)
         self._instance_id = info.instance_id
+        self.info = info
         return info
+
+    def _timed_execute(self, worker: WorkerLike, plan: Plan) -> StepResult:
+        """Runs on the step thread: the time measured excludes queueing and (de)coding."""
+        started = time.perf_counter()
+        result = worker.execute(plan)
+        if self._observe_execute is not None:
+            self._observe_execute(time.perf_counter() - started)
+        return result
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -124,7 +139,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             )
         try:
             plan = decode_plan(request)
-            result = await asyncio.get_running_loop().run_in_executor(self._executor, worker.execute, plan)
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._timed_execute, worker, plan
+            )
         except Exception as e:  # noqa: BLE001 -- every failure becomes a status, the server stays up
             await self._abort_for(context, "execute", e, step_id=request.step_id)
         self.num_steps += 1
