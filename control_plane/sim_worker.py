@@ -104,6 +104,7 @@ class SimWorker:
         for src, dst in plan.copies:
             self.slots[dst * bs : (dst + 1) * bs] = self.slots[src * bs : (src + 1) * bs]
             self.num_copies += 1
+        started = time.perf_counter()
         outputs = []
         items = [(s, s.num_samples) for s in (*plan.new, *plan.continuing)]
         for s, _ in items:
@@ -116,7 +117,9 @@ class SimWorker:
             vocab = self._info.vocab_size
             toks = [sim_next_token(context, base + i, vocab) for i in range(num_samples)]
             outputs.append(SeqOutput(s.seq_id, toks, None))
-        return StepResult(plan.step_id, outputs)
+        # Like the real worker: the "forward" is timed only when something was scheduled.
+        elapsed = time.perf_counter() - started if items else 0.0
+        return StepResult(plan.step_id, outputs, forward_seconds=elapsed)
 
     def _write(self, seq_id: int, start: int, tokens: list[int]) -> None:
         table, bs = self.tables[seq_id], self.block_size

@@ -179,8 +179,19 @@ class WorkerMetrics:
             buckets=STEP_BUCKETS,
             registry=self.registry,
         )
+        self.forward_seconds = Histogram(
+            "pagedkv_worker_forward_duration_seconds",
+            "model forward and sampling of one plan (StepResult.forward_seconds)",
+            buckets=STEP_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_WorkerCollector(servicer))
-        servicer.set_execute_observer(self.execute_seconds.observe)
+        servicer.set_execute_observer(self._observe)
+
+    def _observe(self, execute_seconds: float, result) -> None:
+        self.execute_seconds.observe(execute_seconds)
+        if result.forward_seconds > 0:  # 0 = nothing was scheduled (a drop-only plan)
+            self.forward_seconds.observe(result.forward_seconds)
 
 
 @dataclass(slots=True)

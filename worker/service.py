@@ -69,7 +69,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._health = None
         self.info: WorkerInfo | None = None
         self.num_steps = 0
-        self._observe_execute: Callable[[float], None] | None = None
+        self._observe_execute: Callable[[float, StepResult], None] | None = None
         if worker is not None:
             self._set_worker(worker)
 
@@ -77,8 +77,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def attach_health(self, health_servicer) -> None:
         self._health = health_servicer
 
-    def set_execute_observer(self, observe: Callable[[float], None] | None) -> None:
-        """`observe(seconds)` is called on the step thread after every plan (pagedkv.metrics)."""
+    def set_execute_observer(self, observe: Callable[[float, StepResult], None] | None) -> None:
+        """`observe(seconds, result)` is called on the step thread after every plan
+        (pagedkv.metrics)."""
         self._observe_execute = observe
 
     @property
@@ -110,7 +111,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         started = time.perf_counter()
         result = worker.execute(plan)
         if self._observe_execute is not None:
-            self._observe_execute(time.perf_counter() - started)
+            self._observe_execute(time.perf_counter() - started, result)
         return result
 
     def close(self) -> None:

@@ -152,6 +152,8 @@ def test_worker_metrics(stack, metrics):
     assert m["pagedkv_worker_kv_cache_bytes"] > 0
     assert m["pagedkv_worker_steps_total"] == MAX_TOKENS + 1  # incl. the finishing step
     assert m["pagedkv_worker_execute_duration_seconds_count"] == MAX_TOKENS + 1
+    # The finishing step only drops the mirror: no forward to time.
+    assert m["pagedkv_worker_forward_duration_seconds_count"] == MAX_TOKENS
     assert "pagedkv_worker_gpu_memory_allocated_bytes" not in m  # the scripted worker is not on CUDA
 
 
