@@ -79,8 +79,14 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
     p.add_argument("--kv-layout", choices=("paged", "contiguous"), default="paged")
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
     p.add_argument("--max-model-len", type=_positive, help="cap on prompt + output tokens (default: model's)")
-    if not for_serve:
-        p.add_argument("--no-cuda-graph", action="store_true", help="run decode eagerly (CUDA backend)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="run decode eagerly (CUDA backend)")
+    if not for_serve:  # serve derives it from --max-num-seqs
+        p.add_argument(
+            "--cuda-graph-max-batch-size",
+            type=_positive,
+            default=64,
+            help="largest decode batch captured as a CUDA graph; match the control plane's --max-num-seqs",
+        )
         p.add_argument("--seed", type=int, default=0, help="sampler seed for requests without one")
 
 

@@ -13,7 +13,6 @@ Exit status: 0 after a signal, 1 when start-up failed (the reason is logged), 2 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import signal
@@ -64,10 +63,9 @@ def worker_config_from_args(args):
         kv_layout=args.kv_layout,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        cuda_graph=not args.no_cuda_graph,
+        cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
     )
-    names = {f.name for f in dataclasses.fields(config)}
-    if args.no_cuda_graph and "cuda_graph" in names:
-        config.cuda_graph = False
     config.validate()
     return config
 
