@@ -116,3 +116,14 @@ def test_deploy_flag_names_parse():
 )
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
+
+
+def test_serve_sizes_the_workers_cuda_graphs_from_max_num_seqs(tmp_path):
+    from pagedkv.serve import child_commands
+
+    args = build_parser().parse_args(["serve", "--max-num-seqs", "8", "--no-cuda-graph"])
+    worker, control, _ = child_commands(args, tmp_path)
+    assert worker[worker.index("--cuda-graph-max-batch-size") + 1] == "8"
+    assert "--no-cuda-graph" in worker and "--no-cuda-graph" not in control
+    worker_args = build_parser().parse_args(worker[worker.index("worker") :])
+    assert (worker_args.cuda_graph_max_batch_size, worker_args.no_cuda_graph) == (8, True)
