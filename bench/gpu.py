@@ -159,6 +159,17 @@ def main() -> int:
         ms = decode_step_ms("random:qwen2.5-0.5b", batch, cuda_graph=True)
         results["qwen2.5_0.5b_tokens_per_s"][str(batch)] = batch * 1e3 / ms
         print(f"random:qwen2.5-0.5b decode b={batch}: {ms:.2f} ms/step, {batch * 1e3 / ms:.0f} tokens/s")
+    # The comparisons `make bench`'s report gathers into its ratio table (bench/report.py).
+    results["ratios"] = {
+        **{
+            f"paged_over_sdpa_time_b{row['batch']}_ctx{row['context']}": row["paged_over_sdpa_time"]
+            for row in results["decode_attention"]
+        },
+        **{
+            f"graph_speedup_over_eager_b{batch}": step["speedup"]
+            for batch, step in results["default_model_step_ms"].items()
+        },
+    }
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"gpu-{time.strftime('%Y%m%d')}-{results['commit']}.json"
     path.write_text(json.dumps(results, indent=1) + "\n")

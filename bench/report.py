@@ -1,0 +1,138 @@
+"""The benchmark report: machine and versions, goals vs measured (pass/miss), the ratio table
+(paged vs contiguous; graph vs eager from a GPU result file when one exists), every figure of
+every suite, and the plots. Written as bench/results/latest.md (or --out)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Goal:
+    suite: str
+    key: str
+    op: str  # "<=", "<", ">=", "=="
+    target: object
+    what: str
+
+    def check(self, value) -> bool:
+        ops = {"<=": value <= self.target, "<": value < self.target, ">=": value >= self.target}
+        return ops[self.op] if self.op in ops else value == self.target
+
+
+GOALS = (
+    Goal("worker", "paged_vs_contiguous_ratio", "<=", 1.10, "paged / contiguous worker time (CPU)"),
+    Goal("transport", "b64_unary_unix_overhead_fraction", "<", 0.10,
+         "gRPC overhead per step at batch 64 (unix socket) / default-model decode step"),
+    Goal("transport", "b64_unary_tcp_overhead_fraction", "<", 0.10, "same over TCP loopback"),
+    Goal("memory", "concurrency_ratio", ">=", 5.0, "concurrent requests, paged / contiguous, same KV budget"),
+    Goal("memory", "paged_max_waste_tokens_per_seq", "<=", 15, "paged KV waste per sequence (tokens)"),
+    Goal("prefix_cache", "ttft_speedup", ">=", 8.0, "TTFT cold / warm, 512-token shared system prompt"),
+    Goal("preemption", "all_completed", "==", True, "every request of a 3x-oversubscribed pool completes"),
+)  # fmt: skip
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {}
+    for pkg in ("torch", "grpcio", "protobuf", "numpy"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = "not installed"
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        **versions,
+    }
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool) or not isinstance(value, float):
+        return str(value)
+    return f"{value:,.3f}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def _goal_rows(suites: dict) -> list[str]:
+    rows = ["| goal | target | measured | result |", "|---|---|---|---|"]
+    for g in GOALS:
+        value = suites.get(g.suite, {}).get(g.key)
+        if value is None:
+            rows.append(f"| {g.what} (`{g.suite}.{g.key}`) | {g.op} {g.target} | not measured | - |")
+            continue
+        result = "pass" if g.check(value) else "**miss**"
+        rows.append(f"| {g.what} (`{g.suite}.{g.key}`) | {g.op} {g.target} | {_fmt(value)} | {result} |")
+    return rows
+
+
+def gpu_ratios(results_dir: Path) -> tuple[str, dict]:
+    """The `ratios` of the newest bench/results/gpu-*.json (written by bench/gpu.py on a GPU
+    machine: paged/SDPA time and graph/eager speedup); ("", {}) when there is none."""
+    files = sorted(results_dir.glob("gpu-*.json"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        return "", {}
+    try:
+        ratios = json.loads(files[-1].read_text()).get("ratios", {})
+    except (OSError, ValueError, AttributeError):
+        return files[-1].name, {}
+    return files[-1].name, {k: v for k, v in ratios.items() if isinstance(v, int | float)}
+
+
+def _ratio_rows(suites: dict, results_dir: Path) -> list[str]:
+    rows = ["| comparison | where | value |", "|---|---|---|"]
+    worker = suites.get("worker", {})
+    for key in ("paged_vs_contiguous_ratio", "paged_vs_contiguous_decode_step_ratio"):
+        if key in worker:
+            rows.append(f"| {key} (time, lower = paged faster) | CPU, this run | {_fmt(worker[key])} |")
+    source, gpu = gpu_ratios(results_dir)
+    if gpu:
+        rows += [f"| {k} | GPU, `{source}` | {_fmt(v)} |" for k, v in gpu.items()]
+    else:
+        rows.append("| paged vs contiguous, GPU | GPU | not measured (no GPU) |")
+        rows.append("| CUDA graph vs eager decode | GPU | not measured (no GPU) |")
+    return rows
+
+
+def markdown(report: dict, results_dir: Path, docs: dict[str, str]) -> str:
+    suites = report["suites"]
+    lines = [
+        f"# pagedkv benchmark report ({report['date'][:10]}, commit {report['commit']})",
+        "",
+        f"Command: `{report['command']}` (quick mode: {report['quick']}). Timings are medians over",
+        "repeated runs after warm-up; ratios compare runs interleaved in the same process.",
+        "",
+        "## Machine",
+        "",
+        *[f"- {k}: {v}" for k, v in report["machine"].items()],
+        "",
+        "## Goals",
+        "",
+        *_goal_rows(suites),
+        "",
+        "## Ratios",
+        "",
+        *_ratio_rows(suites, results_dir),
+        "",
+    ]
+    for suite, figures in suites.items():
+        lines += [f"## {suite}", "", docs.get(suite, ""), "", "| figure | value |", "|---|---|"]
+        lines += [f"| {k} | {_fmt(v)} |" for k, v in figures.items()]
+        plots = [v for k, v in figures.items() if k == "plot"]
+        lines += [""] + [f"![{suite}]({p})" for p in plots] + [""]
+    for suite, error in report.get("errors", {}).items():
+        lines += [f"## {suite}: FAILED", "", "```", error, "```", ""]
+    return "\n".join(lines)

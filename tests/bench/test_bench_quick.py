@@ -1,0 +1,45 @@
+"""CI smoke test of `make bench`: the quick suite runs end to end in a subprocess and writes
+its report into a temporary directory. Checks that the files and every suite's section exist,
+not the numbers (CI machines are too noisy for performance assertions)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import SUITES
+
+REPO = Path(__file__).resolve().parents[2]
+PLOTS = ("memory_blocks.png", "prefix_cache_ttft.png")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(280)
+def test_quick_bench_writes_every_section(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=270,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    report = (tmp_path / "latest.md").read_text()
+    for heading in ("## Machine", "## Goals", "## Ratios", *(f"## {suite}" for suite in SUITES)):
+        assert f"\n{heading}\n" in report, f"{heading!r} missing from latest.md"
+
+    (result,) = tmp_path.glob("*-*.json")
+    data = json.loads(result.read_text())
+    assert data["quick"] is True
+    assert data["errors"] == {}
+    assert set(data["suites"]) == set(SUITES)
+    assert all(data["suites"][suite] for suite in SUITES)
+
+    for plot in PLOTS:
+        png = tmp_path / plot
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{plot} is not a PNG"
