@@ -27,9 +27,9 @@ class Goal:
 
 GOALS = (
     Goal("worker", "paged_vs_contiguous_ratio", "<=", 1.10, "paged / contiguous worker time (CPU)"),
-    Goal("transport", "b64_unary_unix_overhead_fraction", "<", 0.10,
-         "gRPC overhead per step at batch 64 (unix socket) / default-model decode step"),
-    Goal("transport", "b64_unary_tcp_overhead_fraction", "<", 0.10, "same over TCP loopback"),
+    Goal("transport", "b64_stream_unix_overhead_fraction", "<", 0.10,
+         "gRPC overhead per step at batch 64 (ExecuteStream, unix socket) / default-model decode step"),
+    Goal("transport", "b64_stream_tcp_overhead_fraction", "<", 0.10, "same over TCP loopback"),
     Goal("memory", "concurrency_ratio", ">=", 5.0, "concurrent requests, paged / contiguous, same KV budget"),
     Goal("memory", "paged_max_waste_tokens_per_seq", "<=", 15, "paged KV waste per sequence (tokens)"),
     Goal("prefix_cache", "ttft_speedup", ">=", 8.0, "TTFT cold / warm, 512-token shared system prompt"),

@@ -8,10 +8,11 @@ plan (batch 1 and 64, one token per sequence) and waits for its StepResult:
     overhead per step = median(gRPC round trip) - median(the same SimWorker called in process)
 
 so protobuf encode/decode, the channel, the server's executor hop and the event loop are all
-in the figure. The alternative that worker.proto rejected -- one long-lived bidirectional
-stream carrying Plans and StepResults -- is measured too, on a bench-only generic handler
-using the same codec and the same one-thread executor (the proto itself has only unary
-Execute). Reference: the default model's CPU decode step at batch 64.
+in the figure. Two paths to the same servicer: `stream` is what the control plane uses --
+`WorkerClient.execute` on its long-lived ExecuteStream call (step timeout included); `unary`
+is one Execute call per plan on its own channel (the grpcurl / simple-client path). The
+overhead-fraction goals in bench/report.py are on the stream. Reference: the default model's
+CPU decode step at batch 64.
 
 Client and servers share one asyncio loop in one process (like tests/grpc/harness.py), so
 the figure is the CPU cost of both sides, with no overlap between them.
@@ -23,21 +24,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from bench.common import decode_step_seconds, median
-from control_plane.plan import ContinuingSequence, NewSequence, Plan, SamplingParams
-from control_plane.plan_codec import decode_plan, decode_result, encode_plan, encode_result
+from control_plane.plan import ContinuingSequence, NewSequence, Plan, SamplingParams, StepResult
+from control_plane.plan_codec import decode_result, encode_plan
 from control_plane.sim_worker import SimWorker
 from control_plane.worker_client import WorkerClient
-from pagedkv.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS, bind
-from pagedkv.v1 import worker_pb2
+from pagedkv.grpc_util import CHANNEL_OPTIONS
+from pagedkv.v1 import worker_pb2_grpc
 from worker.service import WorkerServicer, create_worker_server
 from worker.worker import Worker
 from worker.worker_config import WorkerConfig
@@ -45,7 +46,6 @@ from worker.worker_config import WorkerConfig
 BLOCK = 16
 BLOCKS_PER_SEQ = 8  # 128 positions per sequence; decode positions cycle inside them
 PROMPT_LEN = 16
-STREAM_METHOD = "/bench.v1.WorkerStream/Execute"
 
 
 def _sim(batch: int) -> SimWorker:
@@ -68,64 +68,28 @@ def decode_plan_at(step: int, batch: int) -> Plan:
     return Plan(step, continuing=cont)
 
 
-class _StreamServicer:
-    """Bench-only bidi alternative: Plans in, StepResults out, on one long-lived stream."""
+@contextlib.asynccontextmanager
+async def _unary_execute(target: str):
+    """`execute(plan)` over unary Execute, on its own channel (the grpcurl / simple-client path)."""
+    async with grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS)) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
 
-    def __init__(self, worker: SimWorker) -> None:
-        self.worker = worker
-        self.executor = ThreadPoolExecutor(max_workers=1)
+        async def execute(plan: Plan) -> StepResult:
+            return decode_result(await stub.Execute(encode_plan(plan)))
 
-    async def execute(self, request_iterator, context):
-        loop = asyncio.get_running_loop()
-        self.worker.reset()  # one stream = one session, like Reset before a unary session
-        async for request in request_iterator:
-            plan = decode_plan(request)
-            result = await loop.run_in_executor(self.executor, self.worker.execute, plan)
-            yield encode_result(result)
+        yield execute
 
 
-async def _stream_server(address: str, servicer: _StreamServicer) -> tuple[grpc.aio.Server, str]:
-    handler = grpc.stream_stream_rpc_method_handler(
-        servicer.execute,
-        request_deserializer=worker_pb2.Plan.FromString,
-        response_serializer=worker_pb2.StepResult.SerializeToString,
-    )
-    server = grpc.aio.server(options=list(SERVER_OPTIONS))
-    service, method = STREAM_METHOD.strip("/").split("/")
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {method: handler}),))
-    bound, _ = bind(server, address)
-    await server.start()
-    return server, bound
-
-
-async def _time_unary(client: WorkerClient, batch: int, steps: int, warmup: int) -> list[float]:
-    await client.execute(first_plan(batch))
+async def _time_path(execute, batch: int, steps: int, warmup: int) -> list[float]:
+    """Round trips of decode plans through `execute`, after the prefill plan and `warmup`."""
+    await execute(first_plan(batch))
     samples = []
     for step in range(1, warmup + steps + 1):
         plan = decode_plan_at(step, batch)
         t0 = time.perf_counter()
-        await client.execute(plan)
+        await execute(plan)
         samples.append(time.perf_counter() - t0)
     return samples[warmup:]
-
-
-async def _time_stream(target: str, batch: int, steps: int, warmup: int) -> list[float]:
-    channel = grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS))
-    call = channel.stream_stream(
-        STREAM_METHOD,
-        request_serializer=worker_pb2.Plan.SerializeToString,
-        response_deserializer=worker_pb2.StepResult.FromString,
-    )()
-    samples = []
-    for step in range(warmup + steps + 1):
-        plan = first_plan(batch) if step == 0 else decode_plan_at(step, batch)
-        t0 = time.perf_counter()
-        await call.write(encode_plan(plan))
-        decode_result(await call.read())
-        samples.append(time.perf_counter() - t0)
-    await call.done_writing()
-    await channel.close()
-    return samples[1 + warmup :]
 
 
 def _time_direct(batch: int, steps: int, warmup: int) -> list[float]:
@@ -141,39 +105,36 @@ def _time_direct(batch: int, steps: int, warmup: int) -> list[float]:
 
 
 async def _measure_batch(sockdir: str, batch: int, steps: int, rounds: int) -> dict:
-    """Interleaved rounds of direct / unary TCP / unary unix / stream TCP / stream unix."""
+    """Interleaved rounds of direct / unary TCP / stream TCP / unary unix / stream unix."""
     targets = {"tcp": "127.0.0.1:0", "unix": f"unix://{sockdir}/w{batch}.sock"}
-    clients, stream_targets, cleanups = {}, {}, []
-    for name, address in targets.items():
-        servicer = WorkerServicer(_sim(batch))
-        server, bound = await create_worker_server(address, servicer)
-        clients[name] = WorkerClient(bound)
-        stream_servicer = _StreamServicer(_sim(batch))
-        stream_address = address if name == "tcp" else f"unix://{sockdir}/s{batch}.sock"
-        sserver, sbound = await _stream_server(stream_address, stream_servicer)
-        stream_targets[name] = sbound
-        cleanups += [(sserver, stream_servicer.executor.shutdown)]
-        cleanups += [(server, servicer.close)]
-    try:
-        return await _interleaved_rounds(clients, stream_targets, batch, steps, rounds)
-    finally:
-        for client in clients.values():
-            await client.close()
-        for server, close in cleanups:
-            await server.stop(0)
-            close()
-
-
-async def _interleaved_rounds(clients, stream_targets, batch: int, steps: int, rounds: int) -> dict:
-    samples: dict[str, list[float]] = {}
-    for _ in range(rounds):
-        samples.setdefault("direct", []).extend(_time_direct(batch, steps, warmup=5))
-        for name, client in clients.items():
-            await client.reset()
-            samples.setdefault(f"unary_{name}", []).extend(await _time_unary(client, batch, steps, 5))
-            stream = await _time_stream(stream_targets[name], batch, steps, 5)
-            samples.setdefault(f"stream_{name}", []).extend(stream)
+    async with contextlib.AsyncExitStack() as stack:
+        paths = {}  # path -> (execute, reset of the worker behind it)
+        for name, address in targets.items():
+            client = await stack.enter_async_context(_serve(address, batch))
+            unary = await stack.enter_async_context(_unary_execute(client.target))
+            paths[f"unary_{name}"] = (unary, client.reset)
+            paths[f"stream_{name}"] = (client.execute, client.reset)  # the control plane's path
+        samples: dict[str, list[float]] = {"direct": []}
+        for _ in range(rounds):
+            samples["direct"] += _time_direct(batch, steps, warmup=5)
+            for path, (execute, reset) in paths.items():
+                await reset()  # each run starts with no mirrors
+                samples.setdefault(path, []).extend(await _time_path(execute, batch, steps, 5))
     return {key: median(values) for key, values in samples.items()}
+
+
+@contextlib.asynccontextmanager
+async def _serve(address: str, batch: int):
+    """A WorkerClient to a SimWorker behind the real service."""
+    servicer = WorkerServicer(_sim(batch))
+    server, bound = await create_worker_server(address, servicer)
+    client = WorkerClient(bound)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.stop(0)
+        servicer.close()
 
 
 async def _measure(batches: tuple[int, ...], steps: int, rounds: int) -> dict:
@@ -198,8 +159,9 @@ def run(quick: bool = False) -> dict:
     for path in ("unary_tcp", "unary_unix", "stream_tcp", "stream_unix"):
         overhead = medians[64][path] - medians[64]["direct"]
         res[f"b64_{path}_overhead_fraction"] = overhead / model_step
-    res["unary_vs_stream_b64_unix"] = medians[64]["unary_unix"] / medians[64]["stream_unix"]
-    res["unary_vs_stream_b1_unix"] = medians[1]["unary_unix"] / medians[1]["stream_unix"]
+    for batch, name in ((64, "unix"), (1, "unix"), (64, "tcp"), (1, "tcp")):
+        m = medians[batch]
+        res[f"unary_vs_stream_b{batch}_{name}"] = m[f"unary_{name}"] / m[f"stream_{name}"]
     return res
 
 

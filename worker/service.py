@@ -1,17 +1,19 @@
 """The gRPC face of a worker: `pagedkv.v1.Worker` over `grpc.aio`.
 
-    control plane ──Execute(Plan)──▶ WorkerServicer ──decode──▶ worker.execute(plan)  (1 thread)
-                  ◀──StepResult────                 ◀─encode──
+    control plane ══ExecuteStream══▶ WorkerServicer ──decode──▶ worker.execute(plan)  (1 thread)
+                   ◀══StepResult═══                 ◀─encode──
+    (unary Execute, for grpcurl and simple clients, runs the same per-plan code)
 
-The servicer starts before the model is loaded: health reports NOT_SERVING and Describe /
-Execute / Reset answer UNAVAILABLE until `load()` has built the worker (weights loaded, KV pool
-allocated); then SERVING. Every call into the worker runs on one dedicated thread, so
+The servicer starts before the model is loaded: health reports NOT_SERVING and every Worker RPC
+answers UNAVAILABLE until `load()` has built the worker (weights loaded, KV pool allocated);
+then SERVING. Every call into the worker runs on one dedicated thread, so
 - plans are applied strictly one at a time, in arrival order (the worker is not thread-safe);
 - the event loop stays free during a long forward, so health checks answer during a prefill.
 
 Errors: `worker.errors.WorkerError` subclasses map through their `grpc_code` (PlanError ->
 INVALID_ARGUMENT, state unchanged); a plan made for another worker instance ->
 FAILED_PRECONDITION; anything else -> INTERNAL with the exception text (and a logged traceback).
+On ExecuteStream an error status ends the stream; the client opens a new one.
 """
 
 from __future__ import annotations
@@ -130,6 +132,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self._info_pb
 
     async def Execute(self, request, context):
+        return await self._execute_one(request, context)
+
+    async def ExecuteStream(self, request_iterator, context):
+        # An abort inside _execute_one raises out of this generator: the status ends the stream.
+        async for request in request_iterator:
+            yield await self._execute_one(request, context)
+
+    async def _execute_one(self, request: worker_pb2.Plan, context) -> worker_pb2.StepResult:
+        """One plan, whichever RPC carried it: instance check, decode, the step thread, encode."""
         worker = await self._require_worker(context)
         expected = request.expected_instance_id
         if expected and expected != self._instance_id:
