@@ -11,7 +11,6 @@ import datetime as dt
 import importlib
 import inspect
 import json
-import subprocess
 import sys
 import time
 import traceback
@@ -19,20 +18,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.report import machine, markdown
+from bench.report import commit, machine, markdown
 
 SUITES = ["control_plane", "worker", "transport", "e2e", "memory", "prefix_cache", "preemption"]
 RESULTS = Path(__file__).parent / "results"
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _run_suite(name: str, quick: bool, out_dir: Path) -> dict:
@@ -59,7 +48,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit(),
         "command": " ".join(["python -m bench", *sys.argv[1:]]),
         "machine": machine(),
         "quick": args.quick,

@@ -6,10 +6,9 @@ Run: `python -m bench.control_plane [--quick]`. Prints JSON and a table.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 
+from bench.suite_cli import suite_main
 from bench.timing import median_seconds, print_table
 from control_plane.block_hash import extend_block_hashes
 from control_plane.block_pool import BlockPool
@@ -158,10 +157,7 @@ VLLM_REFERENCE = {  # vLLM 0.33.0 on this machine class, from issue #2 (medians,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true")
-    res = run(ap.parse_args().quick)
-    print(json.dumps(res, indent=2))
+    res = suite_main(run, __doc__)
     rows = []
     for k, v in res.items():
         ref = VLLM_REFERENCE.get(k)

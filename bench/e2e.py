@@ -12,14 +12,13 @@ Run: `python -m bench.e2e [--quick]`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import random
 import time
 
 from bench.common import percentile, prompt
 from bench.stack import ServingStack
+from bench.suite_cli import suite_main
 from control_plane.scheduler_config import SchedulerConfig
 from pagedkv.client import AsyncClient
 from worker.worker import Worker
@@ -87,9 +86,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true")
-    print(json.dumps(run(ap.parse_args().quick), indent=2))
+    suite_main(run, __doc__)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import commit
 from control_plane.plan import ContinuingSequence, NewSequence, Plan, SamplingParams
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -108,16 +108,6 @@ def decode_step_ms(model: str | None, batch: int, cuda_graph: bool, steps: int =
         times.append((time.perf_counter() - started) * 1e3)
         last = {o.seq_id: o.token_ids[0] for o in result.outputs}
     return statistics.median(times[WARMUP:])
-
-
-def commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> int:

@@ -21,13 +21,12 @@ Run: `python -m bench.memory [--quick]`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import random
 from pathlib import Path
 
+from bench.suite_cli import suite_main
 from control_plane.engine import EngineCore
 from control_plane.plan import SamplingParams
 from control_plane.scheduler_config import SchedulerConfig
@@ -169,11 +168,7 @@ def run(quick: bool = False, out_dir: Path | None = None) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=None, help="directory for the PNG plot")
-    args = ap.parse_args()
-    print(json.dumps(run(args.quick, args.out), indent=2))
+    suite_main(run, __doc__)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,12 @@ Run: `python -m bench.preemption [--quick]`.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import random
 import time
 
 from bench.common import add_requests, engine_for, median
+from bench.suite_cli import suite_main
 from worker.worker import Worker
 from worker.worker_config import WorkerConfig
 
@@ -82,9 +81,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true")
-    print(json.dumps(run(ap.parse_args().quick), indent=2))
+    suite_main(run, __doc__)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,14 @@ Run: `python -m bench.prefix_cache [--quick] [--out DIR]`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import random
 import time
 from pathlib import Path
 
 from bench.common import TimedWorker, median, prompt
 from bench.stack import ServingStack
+from bench.suite_cli import suite_main
 from control_plane.scheduler_config import SchedulerConfig
 from pagedkv.client import AsyncClient
 from worker.worker import Worker
@@ -124,11 +123,7 @@ def run(quick: bool = False, out_dir: Path | None = None) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=None, help="directory for the PNG plot")
-    args = ap.parse_args()
-    print(json.dumps(run(args.quick, args.out), indent=2))
+    suite_main(run, __doc__)
 
 
 if __name__ == "__main__":

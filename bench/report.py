@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -35,6 +36,17 @@ GOALS = (
     Goal("prefix_cache", "ttft_speedup", ">=", 8.0, "TTFT cold / warm, 512-token shared system prompt"),
     Goal("preemption", "all_completed", "==", True, "every request of a 3x-oversubscribed pool completes"),
 )  # fmt: skip
+
+
+def commit() -> str:
+    """The short hash of HEAD, or "unknown" outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def machine() -> dict:

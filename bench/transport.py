@@ -22,10 +22,8 @@ Run: `python -m bench.transport [--quick]`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import shutil
 import tempfile
 import time
@@ -33,6 +31,7 @@ import time
 import grpc
 
 from bench.common import decode_step_seconds, median
+from bench.suite_cli import suite_main
 from control_plane.plan import ContinuingSequence, NewSequence, Plan, SamplingParams, StepResult
 from control_plane.plan_codec import decode_result, encode_plan
 from control_plane.sim_worker import SimWorker
@@ -166,9 +165,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true")
-    print(json.dumps(run(ap.parse_args().quick), indent=2))
+    suite_main(run, __doc__)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ Run: `python -m bench.worker [--quick]`.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 
 from bench.common import (
@@ -26,6 +24,7 @@ from bench.common import (
     median,
     prompt,
 )
+from bench.suite_cli import suite_main
 from control_plane.plan import SamplingParams
 from worker.worker import Worker
 from worker.worker_config import WorkerConfig
@@ -124,9 +123,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true")
-    print(json.dumps(run(ap.parse_args().quick), indent=2))
+    suite_main(run, __doc__)
 
 
 if __name__ == "__main__":

@@ -124,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-n", type=_positive, default=16, help="largest n (parallel samples) accepted")
     _add_metrics_flags(c, "the control plane's")
     c.add_argument("--worker-grace", type=float, default=5.0, help="seconds requests wait for a lost worker")
-    c.add_argument("--step-timeout", type=float, default=300.0, help="seconds one plan may take on the worker")
+    c.add_argument(
+        "--step-timeout", type=float, default=300.0, help="seconds one plan may take on the worker"
+    )
     _lifecycle_flags(c)
 
     s = sub.add_parser("serve", help="run worker + control plane as two supervised processes")

@@ -2,8 +2,9 @@
 
 It is the oracle the CUDA kernels are checked against, so clarity beats speed here:
   - write_kv scatters by slot into a flat view of the pool;
-  - paged_attention gathers each sequence's blocks through its block table into a dense
-    [seq_len, kv_heads, head_dim] context, then runs `attention_over_context` in fp32;
+  - paged_attention gathers every context token's K/V through the block tables (one gather
+    per pool per batch) into dense [seq_len, kv_heads, head_dim] contexts, then runs
+    `attention_over_context` on each sequence in fp32;
   - copy_blocks reads all sources before writing any destination.
 
 `attention_over_context` is shared with the contiguous layout (worker.kv_cache), which
@@ -78,19 +79,26 @@ class CpuAttentionBackend:
         max_seq_len: int,
     ) -> Tensor:
         _, block_size, num_kv_heads, head_dim = k_cache.shape
+        # One gather per pool for the whole batch (not one per sequence): the slot of every
+        # context token, sequence after sequence, so each sequence's K/V is a slice of it.
+        max_blocks = min(-(-max_seq_len // block_size), block_tables.shape[1])
+        offsets = torch.arange(block_size, device=block_tables.device)
+        slots = (block_tables[:, :max_blocks].long() * block_size)[:, :, None] + offsets
+        in_context = torch.arange(max_blocks * block_size, device=block_tables.device) < seq_lens[:, None]
+        slots = slots.view(len(seq_lens), -1)[in_context]
+        keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+        values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
         output = torch.empty_like(query)
         starts = query_start_loc.tolist()
+        context_begin = 0
         for s, seq_len in enumerate(seq_lens.tolist()):
             q_begin, q_end = starts[s], starts[s + 1]
-            if q_end == q_begin:
-                continue
-            num_blocks = -(-seq_len // block_size)
-            blocks = block_tables[s, :num_blocks].long()
-            keys = k_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)
-            values = v_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)
-            output[q_begin:q_end] = attention_over_context(
-                query[q_begin:q_end], keys[:seq_len], values[:seq_len], scale
-            )
+            context = slice(context_begin, context_begin + seq_len)
+            context_begin += seq_len
+            if q_end > q_begin:
+                output[q_begin:q_end] = attention_over_context(
+                    query[q_begin:q_end], keys[context], values[context], scale
+                )
         return output
 
     def copy_blocks(self, k_caches: list[Tensor], v_caches: list[Tensor], block_pairs: Tensor) -> None:
