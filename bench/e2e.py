@@ -1,7 +1,8 @@
 """End to end (issue 4): streaming clients -> Engine service -> worker service -> default model.
 
-Both services run in this process (bench/stack.py: Engine on TCP loopback, worker behind a
-Unix socket); clients are `pagedkv.client.AsyncClient` streams. With C concurrent clients,
+The services run as deployed (bench/process_stack.py: `pagedkv control` on TCP loopback and
+`pagedkv worker` behind a Unix socket, two OS processes); clients are `pagedkv.client.AsyncClient`
+streams in this process. With C concurrent clients,
 each sends K requests back to back (random byte prompts, greedy, ignore_eos, fixed
 max_tokens). Per request: time to first token (TTFT, send -> first token message) and
 inter-token latency (ITL: gap between token messages, divided by the tokens in the later
@@ -17,12 +18,10 @@ import random
 import time
 
 from bench.common import percentile, prompt
-from bench.stack import ServingStack
+from bench.process_stack import ProcessStack
 from bench.suite_cli import suite_main
 from control_plane.scheduler_config import SchedulerConfig
 from pagedkv.client import AsyncClient
-from worker.worker import Worker
-from worker.worker_config import WorkerConfig
 
 CONCURRENCY = (1, 16, 64)
 PROMPT_LEN = 64
@@ -79,7 +78,7 @@ def run(quick: bool = False) -> dict:
     per_client = {1: 4 if quick else 16, 16: 1 if quick else 3, 64: 1 if quick else 2}
     config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)
     res: dict = {"prompt_tokens": PROMPT_LEN, "max_tokens": max_tokens}
-    with ServingStack(lambda: Worker(WorkerConfig()), config) as stack:
+    with ProcessStack(config) as stack:
         for level in CONCURRENCY:
             res.update(asyncio.run(_run_level(stack.address, level, per_client[level], max_tokens, level)))
     return res

@@ -1,11 +1,13 @@
-"""Prefix caching (issue 6), through the real services on the default model (bench/stack.py).
+"""Prefix caching (issue 6), through the deployed services on the default model
+(bench/process_stack.py: worker and control plane as two processes, the bench is the client).
 
 TTFT: requests = one shared 512-token system prompt + a fresh 32-token user message, sent
-one at a time (nothing else running), greedy, 2 output tokens. Cold and warm alternate:
+one at a time (nothing else running), greedy, 1 output token. Cold and warm alternate:
 a cold request carries a unique `cache_salt`, so none of its blocks can hit (the same
 tokens and work otherwise); a warm one carries no salt and hits the system prompt's 32
 cached blocks after one priming request. Speedup = median cold TTFT / median warm TTFT
-(client-visible); the worker's own prefill-step time is reported beside it.
+(client-visible); the worker's own time for the request (its one prefill step, read from the
+worker's execute-time metric before and after) is reported beside it.
 
 Chat: C conversations x T turns; turn t sends system prompt + every earlier user message and
 model reply + a new user message, and the model's reply (greedy, 16 tokens) joins the
@@ -21,13 +23,11 @@ import random
 import time
 from pathlib import Path
 
-from bench.common import TimedWorker, median, prompt
-from bench.stack import ServingStack
+from bench.common import median, prompt
+from bench.process_stack import ProcessStack
 from bench.suite_cli import suite_main
 from control_plane.scheduler_config import SchedulerConfig
 from pagedkv.client import AsyncClient
-from worker.worker import Worker
-from worker.worker_config import WorkerConfig
 
 SYSTEM_LEN, USER_LEN, REPLY_LEN = 512, 32, 16
 
@@ -35,26 +35,26 @@ SYSTEM_LEN, USER_LEN, REPLY_LEN = 512, 32, 16
 async def _ttft(client: AsyncClient, tokens: list[int], salt: str) -> float:
     sent = time.perf_counter()
     ttft = None
-    async for msg in client.generate(token_ids=tokens, max_tokens=2, ignore_eos=True, cache_salt=salt):
+    async for msg in client.generate(token_ids=tokens, max_tokens=1, ignore_eos=True, cache_salt=salt):
         if msg.token_ids and ttft is None:
             ttft = time.perf_counter() - sent
     return ttft
 
 
-async def bench_ttft(address: str, timed: TimedWorker, pairs: int) -> dict:
+async def bench_ttft(stack: ProcessStack, pairs: int) -> dict:
     """Client-visible TTFT per request, and the worker's time for the request's prefill step
-    (the longest execute while it ran alone) to separate compute from serving overhead."""
+    (the request runs alone) to separate compute from serving overhead."""
     rng = random.Random(3)
     system = prompt(rng, SYSTEM_LEN)
     runs: dict[str, list[float]] = {"cold": [], "warm": [], "cold_worker": [], "warm_worker": []}
-    async with AsyncClient(address, timeout=300.0) as client:
+    async with AsyncClient(stack.address, timeout=300.0) as client:
         await _ttft(client, prompt(rng, SYSTEM_LEN + USER_LEN), "warmup")  # model warm-up
         await _ttft(client, system + prompt(rng, USER_LEN), "")  # primes the shared prefix
         for i in range(pairs):
             for kind, salt in (("cold", f"cold-{i}"), ("warm", "")):
-                timed.samples.clear()
+                before = stack.worker_execute_seconds()
                 runs[kind].append(await _ttft(client, system + prompt(rng, USER_LEN), salt))
-                runs[f"{kind}_worker"].append(max(s for _, _, s in timed.samples))
+                runs[f"{kind}_worker"].append(stack.worker_execute_seconds() - before)
     return runs
 
 
@@ -97,9 +97,8 @@ def plot(ttfts: dict, path: Path) -> None:
 def run(quick: bool = False, out_dir: Path | None = None) -> dict:
     pairs, conversations, turns = (3, 2, 3) if quick else (10, 4, 5)
     config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)
-    timed = TimedWorker(Worker(WorkerConfig()))
-    with ServingStack(lambda: timed, config) as stack:
-        ttfts = asyncio.run(bench_ttft(stack.address, timed, pairs))
+    with ProcessStack(config) as stack:
+        ttfts = asyncio.run(bench_ttft(stack, pairs))
         chat = asyncio.run(bench_chat(stack.address, conversations, turns))
     cold, warm = median(ttfts["cold"]), median(ttfts["warm"])
     res = {

@@ -1,0 +1,87 @@
+"""The deployed shape for benchmarks: `pagedkv worker` and `pagedkv control` as two OS
+processes talking over a Unix socket, exactly as `pagedkv serve` and the systemd units run
+them; the bench process is only the client.
+
+    bench process ── AsyncClient ──TCP 127.0.0.1──▶ pagedkv control ── unix socket ──▶ pagedkv worker
+
+Client, control plane and worker do not share one GIL (an in-process stack would),
+so client-visible latencies are those a user of the real deployment sees. The worker's own
+time comes from its Prometheus endpoint (`pagedkv_worker_execute_duration_seconds`):
+`worker_execute_seconds()` is the running sum, read before and after a request.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from control_plane.scheduler_config import SchedulerConfig
+from pagedkv.client import Client
+from pagedkv.metrics import scrape
+
+START_TIMEOUT_S = 120.0
+EXECUTE = "pagedkv_worker_execute_duration_seconds"
+
+
+class ProcessStack:
+    def __init__(self, config: SchedulerConfig, worker_args: tuple[str, ...] = ()) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="pkvp-"))  # short: unix paths are limited to ~107 bytes
+        socket = f"unix://{self._dir}/worker.sock"
+        self._procs: list[subprocess.Popen] = []
+        try:
+            worker = self._spawn("worker", ["--listen", socket, "--metrics-port", "0", *worker_args])
+            self._metrics_url = worker["metrics_url"]
+            control = ["--worker", socket, "--listen", "127.0.0.1:0"]
+            control += ["--max-num-seqs", str(config.max_num_seqs)]
+            control += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
+            if not config.enable_prefix_caching:
+                control.append("--no-prefix-caching")
+            self.address = self._spawn("control", control)["address"]
+            with Client(self.address) as client:
+                client.wait_ready(START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, command: str, args: list[str]) -> dict:
+        ready, log = self._dir / f"{command}.json", self._dir / f"{command}.log"
+        argv = [sys.executable, "-m", "pagedkv.cli", command, *args, "--ready-file", str(ready)]
+        proc = subprocess.Popen(
+            [*argv, "--log-level", "warning"], stdout=log.open("w"), stderr=subprocess.STDOUT
+        )
+        self._procs.append(proc)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"pagedkv {command} did not start (exit {proc.poll()}):\n{log.read_text()}"
+                )
+            time.sleep(0.05)
+        return json.loads(ready.read_text())
+
+    def worker_execute_seconds(self) -> float:
+        """Total seconds the worker has spent executing plans since it started."""
+        return scrape(self._metrics_url)[EXECUTE][f"{EXECUTE}_sum"]
+
+    def close(self) -> None:
+        for proc in reversed(self._procs):  # control plane first, then its worker
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> ProcessStack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
