@@ -106,7 +106,13 @@ def _lifecycle_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pagedkv", description="PagedAttention LLM serving over gRPC")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_server_commands(sub)
+    _add_client_commands(sub)
+    return ap
 
+
+def _add_server_commands(sub) -> None:
+    """worker, control, serve: the long-running processes."""
     w = sub.add_parser("worker", help="run the worker process (model + KV pool)")
     w.add_argument("--listen", default=DEFAULT_WORKER, help=f"HOST:PORT or unix:///path ({DEFAULT_WORKER})")
     _add_worker_flags(w)
@@ -143,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of both metrics endpoints")
     _add_logging(s)
 
+
+def _add_client_commands(sub) -> None:
+    """generate, stats, block-table, model-info: one-shot clients of a running control plane."""
     g = sub.add_parser("generate", help="stream a generation")
     g.add_argument("prompt", nargs="?", help="prompt text (or use --token-ids)")
     g.add_argument("--token-ids", metavar="1,2,3", help="prompt as comma-separated token ids")
@@ -173,7 +182,6 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--json", action="store_true")
     for p in (g, st, bt, mi):
         p.add_argument("--server", default=DEFAULT_SERVER, help="HOST:PORT, unix:///path or dns:///name:port")
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
