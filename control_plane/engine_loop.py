@@ -263,7 +263,9 @@ class AsyncEngine:
                 break
             except EngineError as e:
                 if attempt == 1 or attempt % 20 == 0:
-                    log.warning("worker.waiting", worker=self.worker.target, error=str(e), attempt=attempt)
+                    # The first miss is normal while a co-started worker loads; ~15 s of them is not.
+                    report = log.info if attempt == 1 else log.warning
+                    report("worker.waiting", worker=self.worker.target, error=str(e), attempt=attempt)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, max_delay)
         self._attach(info)
