@@ -16,7 +16,7 @@ PROTO_SRC := $(wildcard protos/pagedkv/v1/*.proto)
 PROTO_STAMP := pagedkv/v1/.generated-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all setup proto run test test-gpu bench bench-quick bench-gpu lint clean
+.PHONY: all setup proto run test test-gpu bench bench-quick bench-gpu device-wheels lint clean
 
 all: test
 
@@ -56,6 +56,15 @@ bench-quick: setup
 
 bench-gpu: setup
 	$(PY) -m bench.gpu $(ARGS)
+
+# Wheels (CPython 3.12, x86-64) of what the lent GPU machine's image lacks, pinned to this
+# venv's versions, for `.ci/gpu-device` there (see that file and docs/GPU_VALIDATION.md).
+DEVICE_PKGS := ^(grpcio|grpcio-tools|grpcio-health-checking|grpcio-reflection|protobuf|structlog)==
+device-wheels: setup
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $$($(PY) -m pip freeze | grep -E '$(DEVICE_PKGS)')
 
 lint: setup
 	$(BIN)/ruff check .
