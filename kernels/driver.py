@@ -24,7 +24,6 @@ Only `select_arch` and `check_driver_compatible` are pure; everything else needs
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -138,7 +137,6 @@ class DriverDevice:
         self.driver_version = int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
         self.device = check(cu.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
-        self._local = threading.local()
         current = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
         if int(current) not in (0, int(self.context)):
             raise KernelLoadError(
@@ -157,12 +155,11 @@ class DriverDevice:
         self._modules: list[tuple[object, ctypes.Array]] = []  # kept alive for the process
 
     def make_current(self) -> None:
-        """Make the primary context current on the calling thread (once per thread)."""
-        if getattr(self._local, "current", False):
-            return
+        """Make the primary context current on the calling thread. Checked on every call, not
+        cached: torch's device guards may switch the thread to another device's context."""
         cu = _driver()
-        check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-        self._local.current = True
+        if int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) != int(self.context):
+            check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
     def load(self, spec: ProgramSpec, cache: CubinCache | None) -> dict[str, LoadedKernel]:
         """Compile (or fetch from the cache) and load `spec`; kernels by name expression."""

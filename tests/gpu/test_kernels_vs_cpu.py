@@ -80,7 +80,7 @@ def test_decode_matches_oracle(backend, dtype, case):
 def test_decode_planned_for_capacity_matches_oracle(backend, dtype):
     """The CUDA-graph launch: grid and partitions sized for 8192 keys, real contexts short,
     plus padding rows with seq_len 0 handled as in a padded bucket."""
-    seqs = [(37, 1), (1, 1), (600, 1)]
+    seqs = [(37, 1), (1, 1), (600, 1), (0, 1), (0, 1)]
     check_attention(backend, seqs, 16, 8, 2, 64, dtype, seed=3, capacity=8192)
 
 

@@ -82,6 +82,9 @@ class CudaAttentionBackend:
             raise ValueError(f"CudaAttentionBackend needs a CUDA device, got {device}")
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
+        # torch's current device is per thread and defaults to 0: without this, with cuda:N
+        # graph capture and events would use device 0's streams while kernels ran on N.
+        torch.cuda.set_device(index)
         # Let torch create (and make current) the primary context before the driver API looks.
         torch.cuda.init()
         with torch.cuda.device(self.device):
@@ -119,7 +122,7 @@ class CudaAttentionBackend:
         _, _, num_kv_heads, head_dim = k_cache.shape
         key = aligned_rows(key.to(k_cache.dtype))
         value = aligned_rows(value.to(v_cache.dtype))
-        slots = slot_mapping.to(torch.int64).contiguous()
+        slots = slot_mapping.to(device=self.device, dtype=torch.int64).contiguous()
         spec = cache_ops_program(dtype_name(k_cache.dtype))
         kernel = self._kernels(spec)[spec.name_expressions[0]]
         args = KernelArgs(
@@ -149,7 +152,7 @@ class CudaAttentionBackend:
         max_query_len: int,
         max_seq_len: int,
     ) -> Tensor:
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
         self.paged_attention_into(
             out,
             query,
@@ -162,7 +165,7 @@ class CudaAttentionBackend:
             max_query_len,
             max_seq_len,
         )
-        return out
+        return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def paged_attention_into(
         self,
@@ -186,8 +189,15 @@ class CudaAttentionBackend:
             dtype_name(k_cache.dtype), head_dim, block_size, query.shape[1], num_kv_heads
         )
         geometry.validate()
-        if not out.is_contiguous() or out.shape != query.shape or out.dtype != k_cache.dtype:
-            raise ValueError("out must be a contiguous tensor of the query's shape, in the cache dtype")
+        if (
+            not out.is_contiguous()
+            or out.shape != query.shape
+            or out.dtype != k_cache.dtype
+            or out.data_ptr() % _ALIGN
+        ):
+            raise ValueError(
+                "out must be a contiguous, 16-byte aligned tensor of the query's shape, in the cache dtype"
+            )
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         qsl = query_start_loc.to(torch.int32).contiguous()
