@@ -101,7 +101,10 @@ class SimWorker:
                 table[index] = block_id
             table.extend(s.new_block_ids)
         bs = self.block_size
-        for src, dst in plan.copies:
+        destinations = [dst for _, dst in plan.copies]
+        if len(set(destinations)) != len(destinations) or any(s == d for s, d in plan.copies):
+            raise ValueError(f"copies {plan.copies} write a block twice or onto itself")
+        for src, dst in plan.copies:  # in list order, as the worker does
             self.slots[dst * bs : (dst + 1) * bs] = self.slots[src * bs : (src + 1) * bs]
             self.num_copies += 1
         started = time.perf_counter()

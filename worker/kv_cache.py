@@ -126,8 +126,9 @@ class PagedKVCache:
         )
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        if pairs:
-            block_pairs = torch.tensor(pairs, dtype=torch.int64, device=self.device)
+        """Copies take effect in list order; each conflict-free run is one batched copy."""
+        for batch in copy_batches(pairs):
+            block_pairs = torch.tensor(batch, dtype=torch.int64, device=self.device)
             self.backend.copy_blocks(self.k_caches, self.v_caches, block_pairs)
 
 
@@ -202,6 +203,27 @@ class ContiguousKVCache:
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if pairs:
             raise AssertionError("the contiguous KV layout cannot copy blocks: plan validation refuses this")
+
+
+def copy_batches(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Split copies into consecutive runs that one batched launch may run in any order.
+
+    Plan.copies take effect in list order. A batched copy runs its pairs in parallel, so a run
+    ends before a pair that reads a block the run writes, or writes a block the run reads: e.g.
+    (S->D), (T->S) -- S was a copy-on-write source, then freed by a preemption and handed out
+    again as a destination in the same step -- becomes two runs, and D gets S's old contents.
+    """
+    batches: list[list[tuple[int, int]]] = []
+    reads: set[int] = set()
+    writes: set[int] = set()
+    for src, dst in pairs:
+        if not batches or src in writes or dst in reads or dst in writes:
+            batches.append([])
+            reads, writes = set(), set()
+        batches[-1].append((src, dst))
+        reads.add(src)
+        writes.add(dst)
+    return batches
 
 
 def create_kv_cache(

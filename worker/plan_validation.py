@@ -190,9 +190,6 @@ class _PlanChecker:
         destinations = [dst for _, dst in pairs]
         if len(set(destinations)) != len(destinations):
             raise self.fail(f"copies write block {_first_duplicate(destinations)} more than once")
-        both = {src for src, _ in pairs} & set(destinations)
-        if both:
-            raise self.fail(f"block {min(both)} is both a copy source and a copy destination")
 
     def block_ids_in_copy(self, src: int, dst: int) -> None:
         for block_id in (src, dst):

@@ -69,7 +69,6 @@ def bad_plans(t1, t2):
         "copy from the null block": (Plan(9, continuing=[ok1], copies=[(0, 7)]), "outside the pool"),
         "copy onto itself": (Plan(9, continuing=[ok1], copies=[(3, 3)]), "onto itself"),
         "copy destination twice": (Plan(9, copies=[(1, 7), (2, 7)]), "more than once"),
-        "copy chain": (Plan(9, copies=[(1, 7), (7, 8)]), "both a copy source and a copy destination"),
         # The copy itself is valid and would clobber live block 1: it must not happen.
         "replaced index out of range": (
             Plan(9, continuing=[cont(1, [t1], 10, replaced=[(3, 9)])], copies=[(2, 1)]),
