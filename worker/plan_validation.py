@@ -12,10 +12,10 @@ Checked:
   - tables: block ids in [1, num_blocks) (block 0 is the null block), no more than
     ceil(max_model_len / block_size) entries, covering every position written this step;
   - continuing: `replaced` indices inside the current table and distinct, start_pos not
-    beyond the tokens already computed (a gap would attend to never-written K/V);
+    beyond the tokens already computed (a gap would attend to never-written K/V),
+    num_samples >= 1;
   - new: num_samples >= 1, sample_index >= 0, sampling parameters valid;
-  - copies: ids in range, src != dst, each dst once, no block both a source and a destination
-    (the result would depend on copy order);
+  - copies: ids in range, src != dst, each dst once (they take effect in list order);
   - no write into a block that more than one live table references after this plan
     (copy-on-write must come first, DESIGN §4);
   - contiguous layout: no prefix hits (start_pos > 0 on a new sequence), no copies or
@@ -123,6 +123,8 @@ class _PlanChecker:
         """Check a continuing sequence's delta; return its table as it will be after the plan."""
         mirror = self.mirrors[seq.seq_id]
         self.tokens(seq.seq_id, seq.token_ids, seq.start_pos)
+        if seq.num_samples < 1:
+            raise self.fail(f"num_samples must be >= 1, got {seq.num_samples}", seq.seq_id)
         if seq.start_pos > mirror.num_computed_tokens:
             raise self.fail(
                 f"start_pos {seq.start_pos} skips positions: only {mirror.num_computed_tokens} tokens "

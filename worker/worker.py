@@ -165,7 +165,8 @@ class Worker:
             )
             if seq.sample:
                 position = seq.start_pos + len(seq.token_ids)
-                rows.append(SamplingRow(mirror.sampling, mirror.sample_index, position))
+                # A chunked prompt's last chunk carries the n > 1 fan-out here.
+                rows.append(SamplingRow(mirror.sampling, mirror.sample_index, position, seq.num_samples))
                 sampled_ids.append(seq.seq_id)
         return scheduled, rows, sampled_ids
 

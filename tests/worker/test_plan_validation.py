@@ -67,6 +67,10 @@ def bad_plans(t1, t2):
         "table longer than max_model_len": (Plan(9, new=[new(3, list(range(6, 23)), [1])]), "exceeds the 16"),
         "copy out of range": (Plan(9, continuing=[ok1], copies=[(1, NUM_BLOCKS)]), "outside the pool"),
         "copy from the null block": (Plan(9, continuing=[ok1], copies=[(0, 7)]), "outside the pool"),
+        "continuing num_samples 0": (
+            Plan(9, continuing=[ContinuingSequence(1, [], [], [t1], 10, True, num_samples=0)]),
+            "num_samples must be >= 1",
+        ),
         "copy onto itself": (Plan(9, continuing=[ok1], copies=[(3, 3)]), "onto itself"),
         "copy destination twice": (Plan(9, copies=[(1, 7), (2, 7)]), "more than once"),
         # The copy itself is valid and would clobber live block 1: it must not happen.
