@@ -1,0 +1,250 @@
+"""Differential fuzz: the real control plane driving the real CPU worker.
+
+Random workloads -- small prompts over a tiny alphabet built from shared stems (prefix-cache
+hits), max_tokens 1..12, n 1..3, seeded temperature-1.0 sampling or greedy, ignore_eos,
+requests added and aborted between steps -- run twice with the same scheduler settings
+(block size, prefix caching, small token budget for chunked prefill, ...): once on a tight
+pool (just enough blocks for the workload's longest sequence plus 0..4), once on an ample
+pool where nothing is preempted. Properties:
+
+  - every plan the scheduler makes is accepted by the worker (a PlanError fails the test)
+    and the scheduler's invariants hold at every step (check_invariants=True);
+  - a sample that was never aborted ends with LENGTH and exactly max_tokens tokens;
+  - seeded / greedy tokens are independent of batch composition and preemption
+    (worker/sampler.py), so every (request, index) gets the same tokens on both pools; an
+    abort lands at the same logical moment (after the same ops) in both runs but may catch
+    a request at a different point of its progress, so the shorter token list must then be
+    a prefix of the longer;
+  - afterwards nothing leaked: every real block is free (free cached blocks count as free
+    in control_plane/block_pool.py), no table, running or waiting sequence is left, and the
+    worker mirrors no sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from control_plane.engine import EngineCore
+from control_plane.invariants import check_all_free
+from control_plane.plan import SamplingParams
+from control_plane.request import FinishReason
+from control_plane.scheduler_config import SchedulerConfig
+from tests.worker.worker_test_utils import make_worker
+
+CHECKPOINT = "qwen3-head-dim-tied"
+MAX_MODEL_LEN = 32
+STEM_LEN = 16
+MAX_TAIL = 4  # prompt <= STEM_LEN + MAX_TAIL = 20 tokens, + max_tokens <= 12: fits MAX_MODEL_LEN
+ALPHABET = 4
+
+
+@dataclass(frozen=True)
+class Req:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    n: int
+    seed: int | None  # None: greedy
+    top_k: int
+    top_p: float
+    priority: int
+
+    def sampling(self) -> SamplingParams:
+        if self.seed is None:
+            return SamplingParams(max_tokens=self.max_tokens, n=self.n, temperature=0.0, ignore_eos=True)
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            n=self.n,
+            temperature=1.0,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            ignore_eos=True,
+        )
+
+
+@dataclass(frozen=True)
+class Workload:
+    block_size: int
+    extra_blocks: int  # tight pool: the longest sequence's blocks + the null block + this
+    prefix_caching: bool
+    budget: int  # max_num_batched_tokens
+    max_num_seqs: int
+    long_prefill_cap: int
+    policy: str
+    initial: tuple[Req, ...]  # added before the first step
+    ops: tuple[tuple, ...]  # ("step", k) | ("add", Req) | ("abort", index into every request)
+
+    def requests(self) -> list[Req]:
+        return [*self.initial, *(arg for op, arg in self.ops if op == "add")]
+
+    def config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.budget,
+            enable_prefix_caching=self.prefix_caching,
+            policy=self.policy,
+            long_prefill_token_threshold=self.long_prefill_cap,
+        )
+
+    def blocks_for(self, req: Req) -> int:
+        return -(-(len(req.prompt) + req.max_tokens) // self.block_size)
+
+    def tight_num_blocks(self) -> int:
+        return max(self.blocks_for(r) for r in self.requests()) + 1 + self.extra_blocks
+
+    def ample_num_blocks(self) -> int:
+        return sum(r.n * self.blocks_for(r) for r in self.requests()) + 1
+
+
+@st.composite
+def workloads(draw) -> Workload:
+    stem_st = st.lists(st.integers(0, ALPHABET - 1), min_size=STEM_LEN, max_size=STEM_LEN)
+    stems = draw(st.lists(stem_st, min_size=1, max_size=2))
+
+    def req() -> Req:
+        stem = draw(st.sampled_from(stems))
+        prompt = stem[: draw(st.integers(0, STEM_LEN))] + draw(
+            st.lists(st.integers(0, ALPHABET - 1), min_size=1, max_size=MAX_TAIL)
+        )
+        seed = draw(st.one_of(st.none(), st.integers(0, 2**32)))
+        return Req(
+            prompt=tuple(prompt),
+            max_tokens=draw(st.integers(1, 12)),
+            n=draw(st.integers(1, 3)),
+            seed=seed,
+            top_k=draw(st.sampled_from([0, 0, 5])),
+            top_p=draw(st.sampled_from([1.0, 1.0, 0.9])),
+            priority=draw(st.integers(0, 2)),
+        )
+
+    initial = tuple(req() for _ in range(draw(st.integers(1, 4))))
+    ops = []
+    for _ in range(draw(st.integers(0, 8))):
+        kind = draw(st.sampled_from(["step", "step", "add", "abort"]))
+        if kind == "step":
+            ops.append(("step", draw(st.integers(1, 4))))
+        elif kind == "add":
+            ops.append(("add", req()))
+        else:
+            ops.append(("abort", draw(st.integers(0, 7))))
+    return Workload(
+        block_size=draw(st.sampled_from([1, 4, 16])),
+        extra_blocks=draw(st.integers(0, 4)),
+        prefix_caching=draw(st.booleans()),
+        budget=draw(st.sampled_from([3, 8, 16, 64])),
+        max_num_seqs=draw(st.sampled_from([3, 8])),
+        long_prefill_cap=draw(st.sampled_from([0, 0, 5])),
+        policy=draw(st.sampled_from(["throughput", "throughput", "latency"])),
+        initial=initial,
+        ops=tuple(ops),
+    )
+
+
+@dataclass
+class RunResult:
+    tokens: dict[tuple[str, int], list[int]]
+    reasons: dict[tuple[str, int], FinishReason]
+    aborted: set[str]
+    num_preemptions: int
+
+
+def run_workload(path, wl: Workload, num_blocks: int, max_steps: int = 2000) -> RunResult:
+    worker = make_worker(path, block_size=wl.block_size, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN)
+    engine = EngineCore(worker, wl.config(), check_invariants=True)
+    sched = engine.scheduler
+    tokens: dict[tuple[str, int], list[int]] = {}
+    reasons: dict[tuple[str, int], FinishReason] = {}
+    aborted: set[str] = set()
+    ids: list[str] = []
+
+    def collect(outputs) -> None:
+        for out in outputs:
+            key = (out.request_id, out.index)
+            assert key not in reasons, f"{key} produced output after it finished ({reasons[key].name})"
+            tokens.setdefault(key, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                reasons[key] = out.finish_reason
+
+    def add(req: Req) -> None:
+        rid = f"r{len(ids)}"
+        ids.append(rid)
+        engine.add_request(rid, list(req.prompt), req.sampling(), priority=req.priority)
+
+    for req in wl.initial:
+        add(req)
+    for op, arg in wl.ops:
+        if op == "step":
+            for _ in range(arg):
+                collect(engine.step())
+        elif op == "add":
+            add(arg)
+        elif arg < len(ids) and ids[arg] in sched.requests:
+            collect(sched.abort_request(ids[arg]))
+            aborted.add(ids[arg])
+    for _ in range(max_steps):
+        if not sched.has_pending_work():
+            break
+        collect(engine.step())
+        if sched.requests and not sched.running and not sched.num_waiting and not sched.pending_finished:
+            stuck = {rid: (req.num_finished, req.sampling.n) for rid, req in sched.requests.items()}
+            raise AssertionError(f"requests live with no sequence running or waiting (would hang): {stuck}")
+    else:
+        raise AssertionError(f"work still pending after {max_steps} steps")
+
+    check_all_free(sched)  # includes: pool.num_free_blocks == num_blocks - 1
+    assert sched.kv.pool.num_free_blocks == num_blocks - 1
+    assert not sched.requests and not sched.seqs
+    assert worker.num_sequences == 0, "the worker still mirrors sequences the control plane ended"
+    return RunResult(tokens, reasons, aborted, sched.num_preemptions)
+
+
+def check_workload(path, wl: Workload) -> tuple[RunResult, RunResult]:
+    tight = run_workload(path, wl, wl.tight_num_blocks())
+    ample = run_workload(path, wl, wl.ample_num_blocks())
+    assert ample.num_preemptions == 0
+    for i, req in enumerate(wl.requests()):
+        rid = f"r{i}"
+        for index in range(req.n):
+            key = (rid, index)
+            for name, run in (("tight", tight), ("ample", ample)):
+                got = run.tokens.get(key, [])
+                reason = run.reasons.get(key)
+                if rid in run.aborted:
+                    assert reason in (FinishReason.ABORT, FinishReason.LENGTH), (name, key, reason)
+                    assert len(got) <= req.max_tokens, (name, key, got)
+                else:
+                    assert reason == FinishReason.LENGTH, (name, key, reason)
+                    assert len(got) == req.max_tokens, (name, key, got)
+            a, b = tight.tokens.get(key, []), ample.tokens.get(key, [])
+            if rid in tight.aborted or rid in ample.aborted:
+                short, long_ = sorted((a, b), key=len)
+                assert long_[: len(short)] == short, (key, "tight", a, "ample", b)
+            else:
+                assert a == b, (key, "tight", a, "ample", b)
+    return tight, ample
+
+
+# Found by this test: an n > 1 prompt whose prefill is chunked (4 tokens, budget 3) completes
+# as a ContinuingSequence with num_samples=2; the worker must fan out there too.
+CHUNKED_FAN_OUT = Workload(
+    block_size=1,
+    extra_blocks=0,
+    prefix_caching=False,
+    budget=3,
+    max_num_seqs=3,
+    long_prefill_cap=0,
+    policy="throughput",
+    initial=(Req((0, 0, 0, 0), max_tokens=1, n=2, seed=None, top_k=0, top_p=1.0, priority=0),),
+    ops=(),
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(wl=workloads())
+@example(wl=CHUNKED_FAN_OUT)
+def test_tight_pool_matches_ample_pool(checkpoint, wl):
+    _, path = checkpoint(CHECKPOINT)
+    check_workload(path, wl)
