@@ -67,6 +67,9 @@ def check_scheduler(sched) -> None:
                 f"{block}: ref count != table entries pointing at it ({refs.get(block.block_id, 0)})"
             )
     running = {s.seq_id for s in sched.running}
+    for seq in sched.running:
+        if seq.status != SeqStatus.RUNNING or sched.seqs.get(seq.seq_id) is not seq:
+            raise AssertionError(f"running list holds {seq.status.name} sequence {seq.seq_id}")
     for seq in sched.seqs.values():
         if (seq.status == SeqStatus.RUNNING) != (seq.seq_id in running):
             raise AssertionError(

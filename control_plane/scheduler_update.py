@@ -35,7 +35,8 @@ class SchedulerUpdate:
             token_ids = out.token_ids
             logprobs = out.logprobs
             if len(token_ids) > 1:
-                self._fan_out(seq, token_ids[1:], logprobs[1:] if logprobs else None, outputs)
+                if self._fan_out(seq, token_ids[1:], logprobs[1:] if logprobs else None, outputs):
+                    any_finished = True
                 token_ids = token_ids[:1]
                 logprobs = logprobs[:1] if logprobs else None
             if self._append(seq, token_ids[0]):
@@ -61,10 +62,15 @@ class SchedulerUpdate:
         self._finish(seq, reason)
         return True
 
-    def _fan_out(self, parent: Sequence, tokens: list[int], logprobs, outputs: list[RequestOutput]) -> None:
-        """n > 1: children share every prompt block of the parent (copy-on-write later)."""
+    def _fan_out(self, parent: Sequence, tokens: list[int], logprobs, outputs: list[RequestOutput]) -> bool:
+        """n > 1: children share every prompt block of the parent (copy-on-write later).
+
+        Returns True if a child finished on its very first token (EOS, a stop id, max_tokens 1):
+        it is already freed, and the caller must drop it from `running` -- left there, the
+        next step would give it blocks that nothing ever frees."""
         req = parent.request
         req.forked = True
+        any_finished = False
         for i, token in enumerate(tokens, start=1):
             child = self._new_sequence(req, i, list(req.prompt_token_ids))
             child.status = SeqStatus.RUNNING
@@ -75,8 +81,10 @@ class SchedulerUpdate:
             self.kv.fork(parent, child)
             self.running.append(child)
             self._running_dirty = True
-            self._append(child, token)
+            if self._append(child, token):
+                any_finished = True
             outputs.append(self._output(child, [token], [logprobs[i - 1]] if logprobs else None))
+        return any_finished
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status == SeqStatus.FINISHED:
