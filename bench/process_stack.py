@@ -69,6 +69,11 @@ class ProcessStack:
         """Total seconds the worker has spent executing plans since it started."""
         return scrape(self._metrics_url)[EXECUTE][f"{EXECUTE}_sum"]
 
+    def log_tail(self, command: str, max_chars: int = 6000) -> str:
+        """The end of `pagedkv <command>`'s log (warnings and errors: --log-level warning)."""
+        path = self._dir / f"{command}.log"
+        return path.read_text(errors="replace")[-max_chars:] if path.exists() else "(no log)"
+
     def close(self) -> None:
         for proc in reversed(self._procs):  # control plane first, then its worker
             if proc.poll() is None:

@@ -7,6 +7,7 @@ model (vocabulary, max length, pool size) is checked by the scheduler at admissi
 
 from __future__ import annotations
 
+from control_plane import limits
 from control_plane.errors import InvalidRequestError
 from control_plane.plan import SamplingParams, WorkerInfo
 from control_plane.request import Usage
@@ -35,14 +36,23 @@ def decode_sampling(m: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def decode_prompt(m: pb.GenerateRequest) -> tuple[list[int] | None, str | None]:
-    """(token ids, text): exactly one is not None. Raises InvalidRequestError otherwise."""
+def decode_generate(m: pb.GenerateRequest):
+    """(token ids, text, sampling) after the size limits (control_plane.limits), which run
+    first: nothing that grows with a field's size happens before its limit is checked."""
+    limits.check_fields(m.request_id, m.cache_salt, m.sampling.stop, m.sampling.stop_token_ids)
+    token_ids, text = decode_prompt(m)
+    return token_ids, text, decode_sampling(m.sampling)
+
+
+def decode_prompt(m: pb.GenerateRequest):
+    """(token ids, text): exactly one is not None. Raises InvalidRequestError otherwise.
+    The ids are the message's own container (not copied: the engine checks its length first)."""
     has_text, has_ids = bool(m.text), len(m.token_ids) > 0
     if has_text and has_ids:
         raise InvalidRequestError("send either `text` or `token_ids`, not both")
     if not (has_text or has_ids):
         raise InvalidRequestError("the prompt is empty: set `text` or `token_ids`")
-    return (None, m.text) if has_text else (m.token_ids[:], None)
+    return (None, m.text) if has_text else (m.token_ids, None)
 
 
 def encode_chunk(request_id: str, c: Chunk) -> pb.GenerateResponse:

@@ -30,10 +30,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from control_plane import limits
 from control_plane.errors import (
     EngineError,
     InvalidRequestError,
@@ -47,13 +48,14 @@ from control_plane.scheduler import Scheduler
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.stats import SequenceTable, StatsSnapshot
 from control_plane.tokenizer import Tokenizer, make_tokenizer
-from control_plane.worker_client import WorkerStepError
+from control_plane.worker_client import WorkerOwnedError, WorkerStepError
 from pagedkv.logs import get_logger
 
 log = get_logger("pagedkv.control")
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_LEN = 256
+# Texts longer than this are tokenized on a thread (tokenizers release the GIL), so a long
+# prompt does not hold up every other stream's next step.
+TOKENIZE_INLINE_CHARS = 16_384
 
 
 class AsyncWorker(Protocol):
@@ -82,6 +84,9 @@ class EngineOptions:
     worker_grace_s: float = 5.0  # how long live requests wait for a lost worker to return
     reconnect_backoff_s: tuple[float, float] = (0.05, 1.0)  # first and largest retry delay
     describe_timeout_s: float = 5.0
+    # A step in flight longer than this turns health NOT_SERVING (and refuses new requests)
+    # until it completes: a wedged worker is visible to probes long before the step timeout.
+    step_liveness_s: float = 30.0
 
 
 class _StepFailed(Exception):
@@ -112,6 +117,10 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._step_started: float | None = None  # monotonic start of the step in flight
+        self._overrun = False  # that step has run past options.step_liveness_s
+        self._stream_lost = False  # the worker's plan stream ended between steps
         self.num_worker_losses = 0
         self.num_generation_tokens = 0  # tokens sampled for clients since start (all samples)
         self._observer: EngineObserver | None = None
@@ -120,10 +129,14 @@ class AsyncEngine:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="pagedkv-engine-loop")
+            self._watchdog = asyncio.create_task(self._watch_steps(), name="pagedkv-step-watchdog")
 
     async def stop(self) -> None:
         """Fail every live stream with UNAVAILABLE, stop the loop, close the worker channel."""
         self._set_available(False)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._task is not None:
             self._task.cancel()
             try:
@@ -154,16 +167,16 @@ class AsyncEngine:
         self._set_available(False)
 
     def _set_available(self, ok: bool) -> None:
-        ok = ok and not self._draining
+        ok = ok and not self._draining and not self._overrun
         if ok != self.available:
             self.available = ok
             for listener in self._listeners:
                 listener(ok)
 
     # -- requests ---------------------------------------------------------------------------
-    def submit(
+    async def submit(
         self,
-        prompt_token_ids: list[int] | None,
+        prompt_token_ids: Sequence[int] | None,
         text: str | None,
         sampling: SamplingParams,
         *,
@@ -171,40 +184,50 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str = "",
     ) -> RequestStream:
-        """Admit a request; raises an EngineError (mapped to a gRPC status by the service)."""
+        """Admit a request; raises an EngineError (mapped to a gRPC status by the service).
+        Sizes are checked (control_plane.limits) before tokenizing or scanning the prompt."""
+        self._require_available()
+        if (prompt_token_ids is None) == (text is None):
+            raise InvalidRequestError("send exactly one of `text` and `token_ids`")
+        limits.check_fields(request_id, cache_salt, sampling.stop, sampling.stop_token_ids)
+        max_len = self.scheduler.max_model_len
+        if text is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer on the server; send `token_ids`")
+            limits.check_prompt_size(None, len(text), max_len)
+            prompt_token_ids = await self._tokenize(text)
+            if not prompt_token_ids:
+                raise InvalidRequestError("the prompt text is empty; send at least one character")
+            self._require_available()  # the worker may have gone while we tokenized
+        if sampling.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a server-side tokenizer; use stop_token_ids")
+        limits.check_prompt_size(len(prompt_token_ids), None, max_len)
+        request_id = request_id or uuid.uuid4().hex
+        self.scheduler.add_request(request_id, list(prompt_token_ids), sampling, priority, cache_salt)
+        stream = RequestStream(request_id, sampling.n, self.tokenizer, sampling.stop)
+        self._streams[request_id] = stream
+        self._work.set()
+        log.debug(
+            "request.added",
+            request_id=limits.short(request_id),
+            prompt_tokens=len(prompt_token_ids),
+            n=sampling.n,
+        )
+        return stream
+
+    def _require_available(self) -> None:
         if self._draining:
             raise WorkerUnavailableError("the server is shutting down; retry on another replica")
         if not self.available or self.scheduler is None:
             raise WorkerUnavailableError(
-                f"no worker is connected (worker at {self.worker.target} is starting, restarting or "
-                "down); retry shortly"
+                f"no worker is connected (worker at {self.worker.target} is starting, restarting, "
+                "down or not answering); retry shortly"
             )
-        if (prompt_token_ids is None) == (text is None):
-            raise InvalidRequestError("send exactly one of `text` and `token_ids`")
-        if text is not None:
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer on the server; send `token_ids`")
-            prompt_token_ids = self.tokenizer.encode(text)
-            if not prompt_token_ids:
-                raise InvalidRequestError("the prompt text is empty; send at least one character")
-        self._check_stops(sampling.stop)
-        request_id = request_id or uuid.uuid4().hex
-        self.scheduler.add_request(request_id, prompt_token_ids, sampling, priority, cache_salt)
-        stream = RequestStream(request_id, sampling.n, self.tokenizer, sampling.stop)
-        self._streams[request_id] = stream
-        self._work.set()
-        log.debug("request.added", request_id=request_id, prompt_tokens=len(prompt_token_ids), n=sampling.n)
-        return stream
 
-    def _check_stops(self, stops: tuple[str, ...]) -> None:
-        if not stops:
-            return
-        if self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a server-side tokenizer; use stop_token_ids")
-        if len(stops) > MAX_STOP_STRINGS:
-            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-        if any(not 1 <= len(s) <= MAX_STOP_LEN for s in stops):
-            raise InvalidRequestError(f"each stop string must have 1..{MAX_STOP_LEN} characters")
+    async def _tokenize(self, text: str) -> list[int]:
+        if len(text) <= TOKENIZE_INLINE_CHARS:
+            return self.tokenizer.encode(text)
+        return await asyncio.to_thread(self.tokenizer.encode, text)
 
     def abort(self, request_id: str, *, reason: FinishReason = FinishReason.ABORT) -> int:
         """End a live request now (blocks freed); returns the samples aborted. RequestNotFoundError."""
@@ -215,10 +238,15 @@ class AsyncEngine:
         self._work.set()  # the worker must be told to drop the mirrors
         return len(outputs)
 
-    def release(self, request_id: str) -> None:
-        """The client went away (cancel, disconnect, deadline): abort quietly if still live."""
-        stream = self._streams.pop(request_id, None)
-        if stream is None or stream.done or self.scheduler is None:
+    def release(self, stream: RequestStream) -> None:
+        """The client of `stream` went away (cancel, disconnect, deadline): abort its request
+        quietly if still live. Keyed by the stream object, never by id alone: once a request
+        finished its id may be reused by a new one, which must not be touched."""
+        request_id = stream.request_id
+        if self._streams.get(request_id) is not stream:
+            return  # already finished or failed (and the id possibly reused)
+        del self._streams[request_id]
+        if stream.done or self.scheduler is None:
             return
         stream.done = True
         try:
@@ -226,7 +254,7 @@ class AsyncEngine:
         except EngineError:
             return
         self._work.set()
-        log.info("request.cancelled", request_id=request_id, tokens=stream.num_tokens)
+        log.info("request.cancelled", request_id=limits.short(request_id), tokens=stream.num_tokens)
 
     # -- queries ----------------------------------------------------------------------------
     def stats(self) -> StatsSnapshot | None:
@@ -261,14 +289,27 @@ class AsyncEngine:
                 info = await self.worker.describe(timeout=self.options.describe_timeout_s)
                 await self.worker.reset(timeout=self.options.describe_timeout_s)
                 break
+            except WorkerOwnedError as e:  # not transient: say so loudly, keep trying
+                if attempt == 1 or attempt % 20 == 0:
+                    log.error("worker.owned_by_another_control_plane", error=str(e), attempt=attempt)
             except EngineError as e:
                 if attempt == 1 or attempt % 20 == 0:
                     # The first miss is normal while a co-started worker loads; ~15 s of them is not.
                     report = log.info if attempt == 1 else log.warning
                     report("worker.waiting", worker=self.worker.target, error=str(e), attempt=attempt)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, max_delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay)
+        hold_lease = getattr(self.worker, "hold_lease", None)
+        if hold_lease is not None:
+            hold_lease(self._on_worker_stream_lost)
         self._attach(info)
+
+    def _on_worker_stream_lost(self) -> None:
+        """The worker's plan stream ended while no plan was in flight: it died or went away.
+        Report it now (health NOT_SERVING, reconnect) rather than at the next request."""
+        if self._connected and not self._stream_lost:
+            self._stream_lost = True
+            self._work.set()
 
     def _attach(self, info: WorkerInfo) -> None:
         old = self.info
@@ -297,6 +338,10 @@ class AsyncEngine:
     async def _steps(self) -> None:
         sched = self.scheduler
         while True:
+            if self._stream_lost:
+                self._stream_lost = False
+                lost = WorkerUnavailableError(f"worker at {self.worker.target} closed its plan stream")
+                raise _StepFailed(lost, lost=True)
             if not sched.has_pending_work():
                 self._work.clear()
                 await self._work.wait()
@@ -312,15 +357,38 @@ class AsyncEngine:
                     pass
                 continue
             started = time.perf_counter()
+            self._step_started = time.monotonic()
             try:
                 result = await self.worker.execute(plan, self.info.instance_id)
             except WorkerUnavailableError as e:
                 raise _StepFailed(e, lost=True) from None
             except WorkerStepError as e:
                 raise _StepFailed(e, lost=False) from None
+            finally:
+                self._end_step()
             if self._observer is not None:
                 self._observer.on_step(time.perf_counter() - started)
             self._dispatch(sched.update(plan, result))
+
+    def _end_step(self) -> None:
+        self._step_started = None
+        if self._overrun:
+            self._overrun = False
+            log.info("worker.step_recovered")
+            self._set_available(self._connected)
+
+    async def _watch_steps(self) -> None:
+        """Health goes NOT_SERVING while a step overruns `step_liveness_s` (the worker hangs,
+        is stopped, or swaps): probes see it within a quarter of the bound."""
+        bound = self.options.step_liveness_s
+        while True:
+            await asyncio.sleep(bound / 4)
+            started = self._step_started
+            if started is not None and not self._overrun and time.monotonic() - started > bound:
+                self._overrun = True
+                seconds = round(time.monotonic() - started, 1)
+                log.warning("worker.step_overrun", seconds=seconds, bound_s=bound)
+                self._set_available(False)
 
     async def _recover(self, failure: _StepFailed) -> None:
         self.num_worker_losses += 1
@@ -387,7 +455,7 @@ class AsyncEngine:
         reasons = sorted({c.finish_reason.name for c in chunks if c.finish_reason is not None})
         log.info(
             "request.finished",
-            request_id=stream.request_id,
+            request_id=limits.short(stream.request_id),
             finish=",".join(reasons),
             tokens=stream.num_tokens,
             ttft_ms=round(ttft * 1e3, 1) if ttft is not None else None,

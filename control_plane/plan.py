@@ -49,11 +49,22 @@ class SamplingParams:
     n: int = 1  # parallel samples that share the prompt's blocks (fork + copy-on-write)
     logprobs: bool = False
 
+    def for_worker(self) -> SamplingParams:
+        """What travels in a plan: the sampler's fields; stop conditions at their defaults."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            n=self.n,
+            logprobs=self.logprobs,
+        )
+
     def validate(self, max_n: int = 16) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 <= self.temperature < float("inf"):  # also refuses NaN
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

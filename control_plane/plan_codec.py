@@ -7,9 +7,10 @@ results; the worker the reverse), so it is written for speed. Measured with the 
 geometry.
 
 Invariant (tested): `decode_x(encode_x(v)) == v` for every Plan, StepResult and WorkerInfo the
-dataclasses can express, with one normalisation: an empty `SeqOutput.logprobs` decodes as
-None (a proto repeated field has no "unset" state; a sampled sequence always has >= 1 token,
-so "requested" is never empty).
+dataclasses can express, with two normalisations: a plan's sampling params decode as
+`SamplingParams.for_worker()` (stop conditions never travel: they are the control plane's),
+and an empty `SeqOutput.logprobs` decodes as None (a proto repeated field has no "unset"
+state; a sampled sequence always has >= 1 token, so "requested" is never empty).
 """
 
 from __future__ import annotations
@@ -33,30 +34,19 @@ _PbSampling = pb.WorkerSamplingParams
 
 # -- sampling --------------------------------------------------------------------------------
 def encode_sampling(s: SamplingParams) -> pb.WorkerSamplingParams:
+    """Only what the sampler needs: stop conditions stay on the control plane."""
     return _PbSampling(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        stop_token_ids=s.stop_token_ids,
-        stop=s.stop,
-        ignore_eos=s.ignore_eos,
-        n=s.n,
-        logprobs=s.logprobs,
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, n=s.n, logprobs=s.logprobs
     )
 
 
 def decode_sampling(m: pb.WorkerSamplingParams) -> SamplingParams:
+    """A `SamplingParams.for_worker()` value: stop fields at their defaults."""
     return SamplingParams(
-        max_tokens=m.max_tokens,
         temperature=m.temperature,
         top_p=m.top_p,
         top_k=m.top_k,
         seed=m.seed if m.HasField("seed") else None,
-        stop_token_ids=tuple(m.stop_token_ids),
-        stop=tuple(m.stop),
-        ignore_eos=m.ignore_eos,
         n=m.n,
         logprobs=m.logprobs,
     )

@@ -28,6 +28,7 @@ from control_plane.errors import (
     ResourceExhaustedError,
 )
 from control_plane.kv_cache_manager import Allocation, KVCacheManager
+from control_plane.limits import short
 from control_plane.plan import ContinuingSequence, KVLayout, NewSequence, Plan, SamplingParams, WorkerInfo
 from control_plane.request import FinishReason, Request, RequestOutput, SeqStatus, Sequence
 from control_plane.scheduler_config import SchedulerConfig
@@ -80,7 +81,7 @@ class Scheduler(SchedulerUpdate):
     ) -> Request:
         """Queue a request. Raises a control_plane.errors exception when it is wrong or can never run."""
         if request_id in self.requests:
-            raise DuplicateRequestError(f"request id {request_id!r} is already live; use a unique id")
+            raise DuplicateRequestError(f"request id {short(request_id)!r} is already live; use a unique id")
         self._validate(prompt_token_ids, sampling)
         if self.num_waiting >= self.config.max_queue:
             raise ResourceExhaustedError(
@@ -110,6 +111,9 @@ class Scheduler(SchedulerUpdate):
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
         try:
             sampling.validate(self.config.max_n)
         except ValueError as e:

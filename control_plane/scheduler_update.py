@@ -9,6 +9,7 @@ engine-side stops (stop strings) end samples through the same `_finish` path.
 from __future__ import annotations
 
 from control_plane.errors import RequestNotFoundError
+from control_plane.limits import short
 from control_plane.plan import Plan, StepResult
 from control_plane.request import FinishReason, Request, RequestOutput, SeqStatus, Sequence, Usage
 
@@ -119,7 +120,7 @@ class SchedulerUpdate:
         req = self.requests.get(request_id)
         if req is None:
             raise RequestNotFoundError(
-                f"no live request with id {request_id!r} (finished, aborted or never sent)"
+                f"no live request with id {short(request_id)!r} (finished, aborted or never sent)"
             )
         return req
 

@@ -22,8 +22,10 @@ from grpc_health.v1 import health_pb2
 from control_plane import api_codec
 from control_plane.engine_loop import AsyncEngine
 from control_plane.errors import EngineError, WorkerUnavailableError
+from control_plane.limits import MAX_ENGINE_MESSAGE_BYTES, check_request_id, short
 from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind, set_serving
 from pagedkv.logs import get_logger
+from pagedkv.security import ServerSecurity
 from pagedkv.v1 import engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -32,6 +34,11 @@ SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 # answering?", and must not restart a control plane that is waiting for its worker.
 LIVENESS_SERVICE = "liveness"
 log = get_logger("pagedkv.control")
+# The public port takes smaller messages than the worker link (which carries tokenizer.json):
+# gRPC refuses a larger request with RESOURCE_EXHAUSTED before parsing it (control_plane.limits).
+ENGINE_SERVER_OPTIONS = tuple(
+    (k, MAX_ENGINE_MESSAGE_BYTES if k == "grpc.max_receive_message_length" else v) for k, v in SERVER_OPTIONS
+)
 
 
 def _status(e: EngineError) -> grpc.StatusCode:
@@ -61,9 +68,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Generate(self, request, context):
         engine = self.engine
         try:
-            token_ids, text = api_codec.decode_prompt(request)
-            sampling = api_codec.decode_sampling(request.sampling)
-            stream = engine.submit(
+            token_ids, text, sampling = api_codec.decode_generate(request)
+            stream = await engine.submit(
                 token_ids,
                 text,
                 sampling,
@@ -72,7 +78,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 cache_salt=request.cache_salt,
             )
         except EngineError as e:
-            log.info("request.rejected", request_id=request.request_id, code=e.grpc_code, error=str(e))
+            rid = short(request.request_id)
+            log.info("request.rejected", request_id=rid, code=e.grpc_code, error=str(e))
             await context.abort(_status(e), str(e))
         rid = stream.request_id
         encode = api_codec.encode_chunk
@@ -88,12 +95,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     return
         finally:
             # Runs on normal completion too (then a no-op) and on cancellation/disconnect.
-            engine.release(rid)
+            # By stream, not by id: the id may already name a newer request (ids can be reused
+            # once a request finished, while its slow client is still reading).
+            engine.release(stream)
 
     @_unary
     async def Abort(self, request, context):
+        check_request_id(request.request_id)
         n = self.engine.abort(request.request_id)
-        log.info("request.aborted", request_id=request.request_id, samples=n)
+        log.info("request.aborted", request_id=short(request.request_id), samples=n)
         return engine_pb2.AbortResponse(num_aborted_samples=n)
 
     @_unary
@@ -105,6 +115,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     @_unary
     async def GetBlockTable(self, request, context):
+        check_request_id(request.request_id)
         tables = self.engine.block_tables(request.request_id)
         return api_codec.encode_block_table(request.request_id, self.engine.info.block_size, tables)
 
@@ -118,16 +129,22 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 
 async def create_server(
-    address: str, engine: AsyncEngine, *, options=SERVER_OPTIONS
+    address: str,
+    engine: AsyncEngine,
+    *,
+    options=ENGINE_SERVER_OPTIONS,
+    security: ServerSecurity | None = None,
 ) -> tuple[grpc.aio.Server, str]:
     """Start `pagedkv.v1.Engine` (+ health, reflection) on `address` and the engine loop.
 
     Returns (server, the bound address: "host:port" with the real port, or "unix:///path").
     Health ("" and the Engine service) is NOT_SERVING until the engine has connected to its
     worker, and again whenever the worker is lost; LIVENESS_SERVICE is SERVING throughout.
+    `security`: TLS and the token check (pagedkv.security); None = plaintext, open.
     Shut down with `await shutdown(server, engine, grace)`.
     """
-    server = grpc.aio.server(options=list(options))
+    security = security or ServerSecurity()
+    server = grpc.aio.server(options=list(options), interceptors=security.interceptors)
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     await set_serving(health, [SERVICE_NAME], False)
@@ -140,7 +157,7 @@ async def create_server(
         task.add_done_callback(tasks.discard)
 
     engine.add_availability_listener(on_availability)
-    bound, _ = bind(server, address)
+    bound, _ = bind(server, address, security.credentials)
     await server.start()
     engine.start()
     return server, bound

@@ -19,13 +19,16 @@ opens a fresh one, so a stream never outlives an error, a timeout or a worker re
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import Callable
 
 import grpc
 
 from control_plane.errors import EngineError, WorkerUnavailableError
 from control_plane.plan import Plan, StepResult, WorkerInfo
 from control_plane.plan_codec import decode_result, decode_worker_info, encode_plan
-from pagedkv.grpc_util import CHANNEL_OPTIONS, normalize_address
+from pagedkv.grpc_util import CHANNEL_OPTIONS, OWNER_METADATA_KEY, normalize_address
+from pagedkv.security import ClientSecurity
 from pagedkv.v1 import worker_pb2
 
 _SERVICE = "/pagedkv.v1.Worker/"
@@ -34,6 +37,10 @@ _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 
 
 class WorkerRestartedError(WorkerUnavailableError):
     """The plan was made for a worker instance that no longer exists."""
+
+
+class WorkerOwnedError(WorkerUnavailableError):
+    """Reset refused: another control plane drives this worker (its owner lease is live)."""
 
 
 class WorkerStepError(EngineError):
@@ -66,11 +73,25 @@ class WorkerClient:
     second concurrent plan could be handed the first one's result; `execute` refuses it.
     """
 
-    def __init__(self, target: str, *, step_timeout_s: float = 300.0, rpc_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        step_timeout_s: float = 300.0,
+        rpc_timeout_s: float = 10.0,
+        security: ClientSecurity | None = None,
+        take_over: bool = False,
+    ) -> None:
+        """`security`: TLS and the bearer token for a worker on TCP (pagedkv.security)."""
         self.target = normalize_address(target)
         self.step_timeout_s = step_timeout_s  # one plan, from writing it to reading its result
         self.rpc_timeout_s = rpc_timeout_s
-        self._channel = grpc.aio.insecure_channel(self.target, options=list(CHANNEL_OPTIONS))
+        security = security or ClientSecurity()
+        # Names this control plane to the worker's owner lease (ResetRequest in worker.proto).
+        self.owner_id = uuid.uuid4().hex
+        self._take_over = take_over  # asked once: on the first successful Reset
+        self._metadata = (*(security.metadata or ()), (OWNER_METADATA_KEY, self.owner_id))
+        self._channel = security.aio_channel(self.target, CHANNEL_OPTIONS)
         ch = self._channel
         self._describe = ch.unary_unary(
             _SERVICE + "Describe",
@@ -89,10 +110,13 @@ class WorkerClient:
         )
         self._call: grpc.aio.StreamStreamCall | None = None
         self._in_flight = False
+        self._on_lost: Callable[[], None] | None = None
 
     async def describe(self, timeout: float | None = None) -> WorkerInfo:
         try:
-            msg = await self._describe(worker_pb2.DescribeRequest(), timeout=timeout or self.rpc_timeout_s)
+            msg = await self._describe(
+                worker_pb2.DescribeRequest(), timeout=timeout or self.rpc_timeout_s, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as e:
             raise _translate_rpc_error(e, self.target, "Describe") from None
         return decode_worker_info(msg)
@@ -143,7 +167,8 @@ class WorkerClient:
         """The live stream, or a new one if there is none or it has ended (e.g. the worker went
         away between steps): the plan then meets the worker's current state, as a unary call would."""
         if self._call is None or self._call.done():
-            self._call = self._execute_stream()
+            self._call = self._execute_stream(metadata=self._metadata)
+            self._call.add_done_callback(self._stream_ended)
         return self._call
 
     def _drop_call(self, call: grpc.aio.StreamStreamCall | None) -> None:
@@ -153,12 +178,32 @@ class WorkerClient:
             self._call = None
 
     async def reset(self, timeout: float | None = None) -> str:
-        """Drops every mirror; returns the worker's instance id."""
+        """Claims the worker's owner lease and drops every mirror; returns the worker's
+        instance id. WorkerOwnedError while another control plane holds the lease."""
+        request = worker_pb2.ResetRequest(take_over=self._take_over)
         try:
-            msg = await self._reset(worker_pb2.ResetRequest(), timeout=timeout or self.rpc_timeout_s)
+            msg = await self._reset(request, timeout=timeout or self.rpc_timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise WorkerOwnedError(f"worker at {self.target}: {e.details()}") from None
             raise _translate_rpc_error(e, self.target, "Reset") from None
+        self._take_over = False
         return msg.instance_id
+
+    def hold_lease(self, on_lost: Callable[[], None] | None = None) -> None:
+        """Open the plan stream now, before the first plan: while it is open the worker's owner
+        lease stays ours, however long the engine idles. `on_lost()` is called when a stream
+        ends by itself between plans (the worker died or stopped): an idle engine learns of
+        the loss at once instead of at its next request."""
+        self._on_lost = on_lost
+        self._open_call()
+
+    def _stream_ended(self, call: grpc.aio.StreamStreamCall) -> None:
+        # Ours to report only if nobody dropped it (drops clear self._call first) and no plan
+        # is in flight (that plan's failure reports it).
+        if self._call is call and not self._in_flight and self._on_lost is not None:
+            self._call = None
+            self._on_lost()
 
     async def close(self) -> None:
         self._drop_call(self._call)

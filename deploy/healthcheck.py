@@ -15,6 +15,13 @@ ADDRESS is what the server was told to `--listen` on: `host:port` or `unix:///pa
 wildcard listen host (0.0.0.0, ::, [::]) is probed on loopback, so a unit can pass its own
 `--listen` value. Without ADDRESS, `$PAGEDKV_HEALTH_ADDR` is used (the container images set it).
 
+A server with `--tls-cert` is probed over TLS: `--tls-ca FILE` (the CA that signed it) and
+`--tls-server-name NAME` (a name in the certificate; the probe dials loopback, which the
+certificate may not name), plus `--tls-cert/--tls-key` when it requires client certificates.
+Each defaults to `$PAGEDKV_HEALTH_TLS_CA`, `..._SERVER_NAME`, `..._CERT`, `..._KEY`, so a
+container's HEALTHCHECK needs only environment variables. No token is needed: the health
+service is exempt from `--auth-token-file`.
+
 Exit status: 0 healthy; 1 not serving, unreachable or timed out (the reason is printed on
 stderr); 2 usage error. Needs only `grpcio` and `grpcio-health-checking` (dependencies of the
 pagedkv package), never torch, so a probe costs a fraction of a second.
@@ -29,6 +36,13 @@ import time
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
 ADDRESS_ENV = "PAGEDKV_HEALTH_ADDR"
+TLS_ENV_PREFIX = "PAGEDKV_HEALTH_TLS_"
+TLS_FLAGS = {
+    "ca": "probe over TLS, verifying the server with this CA (PEM)",
+    "cert": "client certificate, for a server with --tls-client-ca",
+    "key": "private key of --tls-cert",
+    "server_name": "name to verify in the server's certificate (the probe dials loopback)",
+}
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "[::]": "[::1]", "": "127.0.0.1"}
 
 
@@ -49,15 +63,36 @@ def probe_target(address: str) -> str:
     return f"{_WILDCARDS.get(host, host)}:{port}"
 
 
-def check_once(target: str, service: str, timeout_s: float) -> tuple[str, str]:
+def _channel(target: str, tls: dict | None):
+    """A plaintext channel, or a TLS one when `tls` names a CA or a client certificate."""
+    import grpc
+
+    options = [("grpc.enable_retries", 0)]
+    if not tls or not (tls.get("ca") or tls.get("cert")):
+        return grpc.insecure_channel(target, options=options)
+
+    def read(name):
+        if not tls.get(name):
+            return None
+        with open(tls[name], "rb") as f:
+            return f.read()
+
+    creds = grpc.ssl_channel_credentials(read("ca"), read("key"), read("cert"))
+    if tls.get("server_name"):
+        options.append(("grpc.ssl_target_name_override", tls["server_name"]))
+    return grpc.secure_channel(target, creds, options=options)
+
+
+def check_once(target: str, service: str, timeout_s: float, tls: dict | None = None) -> tuple[str, str]:
     """(status name, detail): SERVING / NOT_SERVING / SERVICE_UNKNOWN / UNKNOWN, or the gRPC
-    error code name (UNAVAILABLE, DEADLINE_EXCEEDED, ...) when no answer came back."""
+    error code name (UNAVAILABLE, DEADLINE_EXCEEDED, ...) when no answer came back.
+    `tls`: {"ca", "cert", "key", "server_name"} file paths / name, or None for plaintext."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     # A fresh channel per attempt: a probe must not ride on a connection kept from a
     # previous server instance, and gRPC's reconnect back-off must not delay the next try.
-    with grpc.insecure_channel(target, options=[("grpc.enable_retries", 0)]) as channel:
+    with _channel(target, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -96,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         "--alive", action="store_true", help="succeed on any health answer, SERVING or not (liveness)"
     )
     parser.add_argument("--quiet", action="store_true", help="print nothing on success")
+    for name, what in TLS_FLAGS.items():
+        env = f"{TLS_ENV_PREFIX}{name.upper()}"
+        parser.add_argument(
+            f"--tls-{name.replace('_', '-')}",
+            metavar="NAME" if name == "server_name" else "FILE",
+            default=os.environ.get(env),
+            help=f"{what} (${env})",
+        )
     args = parser.parse_args(argv)
     if args.timeout <= 0 or args.wait < 0 or args.interval <= 0:
         parser.error("--timeout and --interval must be > 0, --wait >= 0")
@@ -104,11 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(f"{e} (or set ${ADDRESS_ENV})")
 
+    tls = {name: getattr(args, f"tls_{name}") for name in TLS_FLAGS}
+    missing = [
+        path for name, path in tls.items() if path and name != "server_name" and not os.path.isfile(path)
+    ]
+    if missing:
+        parser.error(f"TLS file not found: {missing[0]}")
     deadline = time.monotonic() + args.wait
     attempts = 0
     while True:
         attempts += 1
-        status, detail = check_once(target, args.service, args.timeout)
+        status, detail = check_once(target, args.service, args.timeout, tls)
         if healthy(status, args.alive):
             if not args.quiet:
                 print(f"{target}: {status}")

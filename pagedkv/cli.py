@@ -50,6 +50,38 @@ def _port(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"seconds must be >= 0, got {text}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"seconds must be > 0, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends a flag's default to its help, unless the help names it already or there is none:
+    the server commands' --help is what an operator reads to see what they run with."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return text + " (default %(default)s)"
+
+
 def _interval(text: str) -> float:
     value = float(text)
     if not 0.01 <= value <= 3600:
@@ -62,9 +94,52 @@ def _add_metrics_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
 
 
+def _add_server_security_flags(p: argparse.ArgumentParser, what: str) -> None:
+    """TLS, mutual TLS and the bearer token of a server (pagedkv.security; all off by default)."""
+    p.add_argument("--tls-cert", metavar="FILE", help=f"PEM certificate (chain): serve {what} over TLS")
+    p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-client-ca", metavar="FILE", help="mutual TLS: require client certificates signed by this CA"
+    )
+    p.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="require 'authorization: Bearer <token>' with this file's token (health, reflection exempt)",
+    )
+
+
+def _add_client_security_flags(p: argparse.ArgumentParser, prefix: str = "", what: str = "the server"):
+    """How a client reaches a secured server: TLS, a client certificate, the bearer token."""
+    p.add_argument(f"--{prefix}tls-ca", metavar="FILE", help=f"use TLS; verify {what} with this CA (PEM)")
+    p.add_argument(f"--{prefix}tls-cert", metavar="FILE", help="client certificate, for mutual TLS")
+    p.add_argument(f"--{prefix}tls-key", metavar="FILE", help=f"private key of --{prefix}tls-cert")
+    if not prefix:
+        p.add_argument("--tls-server-name", metavar="NAME", help="name to verify in the certificate")
+    p.add_argument(
+        f"--{prefix}auth-token-file", metavar="FILE", help=f"send the bearer token in this file to {what}"
+    )
+
+
+def _add_serve_security_flags(s: argparse.ArgumentParser) -> None:
+    """serve: security of the public port (the worker link is a private Unix socket), plus what
+    serve's own readiness check and printed commands need to pass it."""
+    _add_server_security_flags(s, "the Engine API")
+    s.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="CA of --tls-cert, for serve's own checks and printed commands (default: --tls-cert, "
+        "right for a self-signed certificate; with --tls-client-ca, serve presents --tls-cert)",
+    )
+    s.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="name in --tls-cert that serve's own checks verify (default: --host; localhost for 0.0.0.0)",
+    )
+
+
 def _add_logging(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", choices=FORMATS, default="console", help="log lines as JSON or for humans")
-    p.add_argument("--log-level", choices=LEVELS, default="info", type=str.lower)
+    p.add_argument("--log-level", choices=LEVELS, default="info", type=str.lower, help="log threshold")
 
 
 def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> None:
@@ -76,8 +151,10 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
     pool.add_argument(
         "--kv-cache-memory", type=parse_bytes, metavar="BYTES", help="KV budget, e.g. 268435456, 512Mi, 2G"
     )
-    p.add_argument("--kv-layout", choices=("paged", "contiguous"), default="paged")
-    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
+    p.add_argument("--kv-layout", choices=("paged", "contiguous"), default="paged", help="KV pool layout")
+    p.add_argument(
+        "--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto", help="weights dtype"
+    )
     p.add_argument("--max-model-len", type=_positive, help="cap on prompt + output tokens (default: model's)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run decode eagerly (CUDA backend)")
     if not for_serve:  # serve derives it from --max-num-seqs
@@ -94,12 +171,40 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences running at once")
     p.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="tokens per step")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
-    p.add_argument("--policy", choices=("throughput", "latency"), default="throughput")
+    p.add_argument(
+        "--policy", choices=("throughput", "latency"), default="throughput", help="scheduling policy"
+    )
+
+
+# The control plane's limits and lifecycle: `serve` forwards these to its control child as is.
+CONTROL_LIMIT_FLAGS = ("max_queue", "max_n", "worker_grace", "step_timeout", "step_liveness")
+
+
+def _add_control_limits(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-queue", type=_positive, default=1024, help="waiting requests allowed")
+    p.add_argument("--max-n", type=_positive, default=16, help="largest n (parallel samples) accepted")
+    p.add_argument(
+        "--worker-grace", type=_seconds, default=5.0, help="seconds requests wait for a lost worker"
+    )
+    p.add_argument(
+        "--step-timeout", type=_positive_seconds, default=300.0, help="seconds one plan may take on a worker"
+    )
+    p.add_argument(
+        "--step-liveness",
+        type=_positive_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="health turns NOT_SERVING while a step has been in flight longer than this (a hung worker)",
+    )
+
+
+def _add_shutdown_grace(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shutdown-grace", type=_seconds, default=5.0, help="seconds in-flight RPCs get on stop")
 
 
 def _lifecycle_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-file", metavar="PATH", help="write {address, pid} as JSON once listening")
-    p.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds in-flight RPCs get on stop")
+    _add_shutdown_grace(p)
     _add_logging(p)
 
 
@@ -117,6 +222,7 @@ def _add_server_commands(sub) -> None:
     w.add_argument("--listen", default=DEFAULT_WORKER, help=f"HOST:PORT or unix:///path ({DEFAULT_WORKER})")
     _add_worker_flags(w)
     _add_metrics_flags(w, "the worker's")
+    _add_server_security_flags(w, "the Worker API")
     _lifecycle_flags(w)
 
     c = sub.add_parser("control", help="run the control-plane process (public API)")
@@ -124,15 +230,17 @@ def _add_server_commands(sub) -> None:
         "--worker", default=DEFAULT_WORKER, help="the worker's address (HOST:PORT or unix:///path)"
     )
     c.add_argument("--listen", default=DEFAULT_SERVER, help="public address (default 127.0.0.1:50051)")
+    c.add_argument(
+        "--take-over",
+        action="store_true",
+        help="attach even if another live control plane drives the worker (that one's plans are refused)",
+    )
     _add_scheduler_flags(c)
     c.add_argument("--max-model-len", type=_positive, help="cap below the worker's max length")
-    c.add_argument("--max-queue", type=_positive, default=1024, help="waiting requests allowed")
-    c.add_argument("--max-n", type=_positive, default=16, help="largest n (parallel samples) accepted")
+    _add_control_limits(c)
     _add_metrics_flags(c, "the control plane's")
-    c.add_argument("--worker-grace", type=float, default=5.0, help="seconds requests wait for a lost worker")
-    c.add_argument(
-        "--step-timeout", type=float, default=300.0, help="seconds one plan may take on the worker"
-    )
+    _add_server_security_flags(c, "the Engine API")
+    _add_client_security_flags(c, "worker-", "a TCP worker")
     _lifecycle_flags(c)
 
     s = sub.add_parser("serve", help="run worker + control plane as two supervised processes")
@@ -147,7 +255,25 @@ def _add_server_commands(sub) -> None:
         help="Prometheus /metrics: the control plane's on P, the worker's on P+1 (0: any free ports)",
     )
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of both metrics endpoints")
+    _add_serve_security_flags(s)
+    _add_control_limits(s)
+    _add_shutdown_grace(s)  # both children
+    s.add_argument(
+        "--worker-restart-backoff",
+        type=_positive_seconds,
+        default=0.5,
+        metavar="SECONDS",
+        help="first delay before restarting a crashed worker; doubles per crash in a row up to 30 s",
+    )
+    s.add_argument(
+        "--max-worker-restarts",
+        type=_count,
+        metavar="N",
+        help="exit 1 after N worker crashes in a row (default: unlimited; 0: never restart)",
+    )
     _add_logging(s)
+    for p in (w, c, s):
+        p.formatter_class = _DefaultsFormatter
 
 
 def _add_client_commands(sub) -> None:
@@ -182,6 +308,7 @@ def _add_client_commands(sub) -> None:
     mi.add_argument("--json", action="store_true")
     for p in (g, st, bt, mi):
         p.add_argument("--server", default=DEFAULT_SERVER, help="HOST:PORT, unix:///path or dns:///name:port")
+        _add_client_security_flags(p)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,13 @@ Targets: "host:port", "unix:///path/to.sock", "dns:///name:port" (every address 
 resolves to), or a list of "ip:port" addresses. Calls are spread over all resolved addresses
 with gRPC's own `round_robin` policy: scale-out across replicas needs no proxy.
 
+Security (off by default; see pagedkv.security): `tls_ca=` (the CA that signed the server's
+certificate) turns on TLS, `tls_cert=` + `tls_key=` add a client certificate for mutual TLS,
+`tls_server_name=` checks the certificate against that name instead of the target's host, and
+`auth_token=` / `auth_token_file=` send `authorization: Bearer <token>` with every call:
+
+    Client("10.0.0.5:50051", tls_ca="ca.crt", auth_token_file="/etc/pagedkv/token")
+
 Failures raise `ClientError(code, details)`; `code` is the grpc.StatusCode the server sent
 (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, NOT_FOUND, UNAVAILABLE, ...). Leaving a `generate`
 iteration early (break, exception, garbage collection) cancels the RPC, and the server aborts
@@ -26,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.grpc_util import CHANNEL_OPTIONS, normalize_address
+from pagedkv.security import ClientSecurity
 from pagedkv.v1 import engine_pb2, engine_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -141,11 +149,27 @@ class Client:
     """Blocking client. Thread-safe (one channel, many concurrent calls)."""
 
     def __init__(
-        self, target: str | Sequence[str] = DEFAULT_TARGET, *, timeout: float | None = None, options=None
+        self,
+        target: str | Sequence[str] = DEFAULT_TARGET,
+        *,
+        timeout: float | None = None,
+        options=None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        auth_token: str | None = None,
+        auth_token_file: str | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
+        """TLS / mTLS / bearer token: see the module docstring (plaintext, no token by default)."""
         self.target = resolve_target(target)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.target, options=_channel_options(options))
+        sec = security or ClientSecurity.from_files(
+            tls_ca, tls_cert, tls_key, tls_server_name, auth_token_file, auth_token=auth_token
+        )
+        self._metadata = sec.metadata
+        self._channel = sec.channel(self.target, _channel_options(options))
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -166,7 +190,7 @@ class Client:
         self, request: engine_pb2.GenerateRequest, *, timeout: float | None = None
     ) -> Iterator:
         """Stream the responses to a GenerateRequest built by the caller."""
-        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
         try:
             yield from call
         except grpc.RpcError as e:
@@ -182,7 +206,7 @@ class Client:
 
     def _unary(self, method, request, timeout):
         try:
-            return method(request, timeout=timeout or self.timeout)
+            return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise ClientError(e.code(), e.details()) from None
 
@@ -227,11 +251,26 @@ class AsyncClient:
     """asyncio client with the same methods as `Client` (awaitables / async iterators)."""
 
     def __init__(
-        self, target: str | Sequence[str] = DEFAULT_TARGET, *, timeout: float | None = None, options=None
+        self,
+        target: str | Sequence[str] = DEFAULT_TARGET,
+        *,
+        timeout: float | None = None,
+        options=None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        auth_token: str | None = None,
+        auth_token_file: str | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
         self.target = resolve_target(target)
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(self.target, options=_channel_options(options))
+        sec = security or ClientSecurity.from_files(
+            tls_ca, tls_cert, tls_key, tls_server_name, auth_token_file, auth_token=auth_token
+        )
+        self._metadata = sec.metadata
+        self._channel = sec.aio_channel(self.target, _channel_options(options))
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -250,7 +289,7 @@ class AsyncClient:
     async def generate_request(
         self, request: engine_pb2.GenerateRequest, *, timeout: float | None = None
     ) -> AsyncIterator:
-        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
         try:
             async for msg in call:
                 yield msg
@@ -266,7 +305,7 @@ class AsyncClient:
 
     async def _unary(self, method, request, timeout):
         try:
-            return await method(request, timeout=timeout or self.timeout)
+            return await method(request, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise ClientError(e.code(), e.details()) from None
 

@@ -20,6 +20,7 @@ import grpc
 from google.protobuf import json_format
 
 from pagedkv.client import Client, ClientError
+from pagedkv.security import ClientSecurity
 from pagedkv.v1 import engine_pb2
 
 
@@ -28,6 +29,11 @@ def _to_json(msg) -> str:
         msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
     return json.dumps(d)
+
+
+def _client(args) -> Client:
+    """A client of --server with the TLS / token flags (--tls-ca ... --auth-token-file)."""
+    return Client(args.server, security=ClientSecurity.from_args(args))
 
 
 def _fail(e: ClientError) -> int:
@@ -70,7 +76,7 @@ def cmd_generate(args) -> int:
         prompt = None
     else:
         prompt = args.prompt
-    with Client(args.server) as client:
+    with _client(args) as client:
         try:
             if args.json:
                 for m in client.generate(prompt, **kw):
@@ -113,7 +119,7 @@ def _stream_many(messages) -> None:
 
 
 def cmd_stats(args) -> int:
-    with Client(args.server) as client:
+    with _client(args) as client:
         try:
             s = client.stats(timeout=10.0)
         except ClientError as e:
@@ -202,7 +208,7 @@ def metrics_rows(metrics: dict) -> list[tuple[str, object]]:
 
 
 def cmd_block_table(args) -> int:
-    with Client(args.server) as client:
+    with _client(args) as client:
         try:
             t = client.block_table(args.request_id, timeout=10.0)
         except ClientError as e:
@@ -267,7 +273,7 @@ def _note_stream(args):
 
 
 def cmd_model_info(args) -> int:
-    with Client(args.server) as client:
+    with _client(args) as client:
         try:
             info = client.model_info(timeout=10.0)
         except ClientError as e:

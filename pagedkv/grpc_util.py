@@ -8,12 +8,16 @@ two processes on one box). TCP defaults to loopback: exposing a server is an exp
 from __future__ import annotations
 
 import os
+import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 DEFAULT_HOST = "127.0.0.1"
+# Request metadata naming the calling control plane on the Worker service (owner lease:
+# worker/owner_lease.py, ResetRequest in worker.proto).
+OWNER_METADATA_KEY = "pagedkv-owner"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # Describe carries tokenizer.json (MBs for 150k vocabularies)
 
 # Both directions of a pagedkv channel: large messages, fast reconnects (a restarted worker is
@@ -33,6 +37,9 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # gRPC sets SO_REUSEPORT by default on Linux: a second server on a busy port then starts
+    # silently and the kernel splits connections between the two. Off: the bind fails.
+    ("grpc.so_reuseport", 0),
 )
 
 
@@ -64,8 +71,11 @@ def unix_socket_path(address: str) -> str | None:
     return None
 
 
-def bind(server: grpc.aio.Server, address: str) -> tuple[str, int]:
-    """Add an insecure port; returns (the address clients should use, TCP port or 0).
+def bind(
+    server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None
+) -> tuple[str, int]:
+    """Add a port, TLS with `credentials` else plaintext; returns (the address clients should
+    use, TCP port or 0).
 
     A stale socket file from a crashed previous run is removed first (the directory must
     exist). Raises RuntimeError naming the address when binding fails (port in use...).
@@ -74,12 +84,20 @@ def bind(server: grpc.aio.Server, address: str) -> tuple[str, int]:
     path = unix_socket_path(address)
     if path is not None:
         if os.path.exists(path):
-            os.unlink(path)
+            if _socket_answers(path):
+                raise RuntimeError(
+                    f"cannot listen on {address}: another process is serving on that socket "
+                    "(stop it first, or choose another path)"
+                )
+            os.unlink(path)  # stale: left by a process that died
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise RuntimeError(f"cannot listen on {address}: directory {parent} does not exist")
     try:
-        port = server.add_insecure_port(address)
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
     except RuntimeError as e:
         raise RuntimeError(f"cannot listen on {address}: {e} (in use? permissions?)") from None
     if path is not None:
@@ -88,6 +106,17 @@ def bind(server: grpc.aio.Server, address: str) -> tuple[str, int]:
         raise RuntimeError(f"cannot listen on {address} (port in use or host not local?)")
     host = address.rpartition(":")[0]
     return f"{host}:{port}", port
+
+
+def _socket_answers(path: str) -> bool:
+    """True if a process accepts connections on the Unix socket at `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except OSError:  # refused (stale file), not a socket, permissions...
+            return False
+    return True
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:

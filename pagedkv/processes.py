@@ -41,6 +41,18 @@ def _start_metrics(args, make_metrics):
     return serve_metrics(make_metrics().registry, args.metrics_host, args.metrics_port)
 
 
+def _server_security(args, log, name: str):
+    """The listener's TLS / token from its flags (an unreadable file is a ValueError: exit 2),
+    with a warning when the address is reachable from other machines without them."""
+    from pagedkv.security import ServerSecurity
+
+    security = ServerSecurity.from_args(args)
+    warning = security.exposure_warning(args.listen)
+    if warning is not None:
+        log.warning(f"{name}.insecure", detail=warning)
+    return security
+
+
 def _stop_event() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -79,10 +91,16 @@ async def _worker_main(args) -> int:
     config = worker_config_from_args(args)
     if args.no_cuda_graph and not hasattr(config, "cuda_graph"):
         log.info("worker.flag_ignored", flag="--no-cuda-graph", reason="the worker has no CUDA-graph option")
+    security = _server_security(args, log, "worker")
     servicer = WorkerServicer()
     metrics = _start_metrics(args, lambda: WorkerMetrics(servicer))  # first: a bad port fails fast
-    server, address = await create_worker_server(args.listen, servicer)
-    log.info("worker.listening", address=address, status="NOT_SERVING until the model and KV pool are ready")
+    server, address = await create_worker_server(args.listen, servicer, security=security)
+    log.info(
+        "worker.listening",
+        address=address,
+        status="NOT_SERVING until the model and KV pool are ready",
+        **security.describe(),
+    )
     _write_ready_file(args.ready_file, address, metrics)
     stop = _stop_event()
     load = asyncio.create_task(servicer.load(lambda: Worker(config)))
@@ -135,18 +153,26 @@ async def _control_main(args) -> int:
     from control_plane.service import create_server, shutdown
     from control_plane.worker_client import WorkerClient
     from pagedkv.metrics import ControlPlaneMetrics
+    from pagedkv.security import ClientSecurity
 
     log = get_logger("pagedkv.control")
     config = scheduler_config_from_args(args)
-    worker = WorkerClient(args.worker, step_timeout_s=args.step_timeout)
-    engine = AsyncEngine(worker, config, EngineOptions(worker_grace_s=args.worker_grace))
+    security = _server_security(args, log, "control")
+    worker_security = ClientSecurity.from_args(args, prefix="worker_")
+    worker = WorkerClient(
+        args.worker, step_timeout_s=args.step_timeout, security=worker_security, take_over=args.take_over
+    )
+    options = EngineOptions(worker_grace_s=args.worker_grace, step_liveness_s=args.step_liveness)
+    engine = AsyncEngine(worker, config, options)
     loop = asyncio.get_running_loop()
     metrics = _start_metrics(args, lambda: ControlPlaneMetrics(engine, loop))  # first: fails fast
-    server, address = await create_server(args.listen, engine)
+    server, address = await create_server(args.listen, engine, security=security)
     log.info(
         "control.listening",
         address=address,
+        **security.describe(),
         worker=worker.target,
+        worker_tls=worker_security.tls,
         policy=config.policy,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,

@@ -3,11 +3,19 @@
     pagedkv serve ─┬─ pagedkv worker  --listen unix://$TMP/worker.sock   (weights + KV pool)
                    └─ pagedkv control --worker unix://$TMP/worker.sock --listen HOST:PORT
 
-The supervisor starts both, waits until the control plane's health service reports SERVING
-(the worker has loaded and the control plane has connected), prints the address and
-ready-to-paste commands, then watches: if either child exits, the other is stopped and
-`serve` exits non-zero. SIGINT (Ctrl-C) / SIGTERM stop the control plane first (in-flight
-streams get its grace period), then the worker; exit status 0. Children get SIGTERM when the
+The supervisor (pagedkv/supervisor.py) starts both, waits until the control plane's health
+service reports SERVING (the worker has loaded and the control plane has connected), prints
+the address and ready-to-paste commands, then watches:
+- the worker exits (crash, kill -9, OOM): it is restarted with the same flags on the same
+  socket after an exponential back-off (`--worker-restart-backoff`, 0.5 s doubling to 30 s,
+  reset after 60 s up; each restart is logged to stderr), and the control plane reconnects by
+  itself. `--max-worker-restarts N` gives up (exit 1) after N crashes in a row.
+- the control plane exits: the worker is stopped and `serve` exits non-zero (see supervisor.py
+  for why it is not restarted).
+- either child exits before the first SERVING: both are stopped, exit 1 (a worker that cannot
+  load would fail the same way again).
+SIGINT (Ctrl-C) / SIGTERM, also during a back-off, stop the control plane first (in-flight
+streams get `--shutdown-grace`), then the worker; exit status 0. Children get SIGTERM when the
 supervisor itself dies (Linux parent-death signal), so they are never orphaned.
 
 `--metrics-port P`: the control plane serves Prometheus /metrics on P, the worker on P + 1
@@ -16,26 +24,18 @@ supervisor itself dies (Linux parent-death signal), so they are never orphaned.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-STOP_TIMEOUT_S = 15.0
+from pagedkv.cli import CONTROL_LIMIT_FLAGS
+from pagedkv.supervisor import Backoff, Supervisor, describe_exit
+
 START_TIMEOUT_S = 600.0  # first start may build the default model's weights
-
-
-def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _flags(args, names: list[str]) -> list[str]:
@@ -57,7 +57,7 @@ def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
     logging_flags = ["--log-format", args.log_format, "--log-level", args.log_level]
     worker = [*base, "worker", "--listen", sock, *logging_flags]
     worker_flags = ["model", "device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "kv_layout"]
-    worker += _flags(args, [*worker_flags, "max_model_len", "no_cuda_graph"])
+    worker += _flags(args, [*worker_flags, "max_model_len", "no_cuda_graph", "shutdown_grace"])
     # Every decode batch the control plane can form then fits a captured graph.
     worker += ["--cuda-graph-max-batch-size", str(args.max_num_seqs)]
     worker += _metrics_flags(args, worker_metrics_port(args.metrics_port))
@@ -71,9 +71,12 @@ def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
             "no_prefix_caching",
             "policy",
             "max_model_len",
+            *CONTROL_LIMIT_FLAGS,
+            "shutdown_grace",
         ],
     )
     control += _metrics_flags(args, args.metrics_port)
+    control += _flags(args, list(SERVER_SECURITY_FLAGS))  # the public port only: the worker link is private
     return worker, control, ready
 
 
@@ -92,35 +95,60 @@ def _metrics_flags(args, port: int | None) -> list[str]:
     return ["--metrics-port", str(port), "--metrics-host", args.metrics_host]
 
 
-class Supervisor:
-    def __init__(self, worker_cmd: list[str], control_cmd: list[str]) -> None:
-        self.stop_requested = threading.Event()
-        self.procs: dict[str, subprocess.Popen] = {}
-        for name, cmd in (("worker", worker_cmd), ("control", control_cmd)):
-            self.procs[name] = subprocess.Popen(cmd, preexec_fn=_set_parent_death_signal)
-
-    def first_exited(self) -> tuple[str, int] | None:
-        for name, proc in self.procs.items():
-            code = proc.poll()
-            if code is not None:
-                return name, code
-        return None
-
-    def stop_all(self) -> None:
-        """Control plane first (it drains streams), then the worker; kill after a timeout."""
-        for name in ("control", "worker"):
-            proc = self.procs[name]
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    print(f"[serve] {name} ignored SIGTERM; killing it", file=sys.stderr)
-                    proc.kill()
-                    proc.wait()
+# -- serve as a client of its own public port: the same TLS and token as any other client ----
+SERVER_SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
 
 
-def _wait_ready(sup: Supervisor, ready_file: Path) -> str | None:
+def _tls_server_name(args) -> str | None:
+    """The name serve's own client checks in --tls-cert: a wildcard host is dialled on loopback."""
+    if args.tls_server_name:
+        return args.tls_server_name
+    return "localhost" if args.host in _WILDCARD_HOSTS else None
+
+
+def own_client_security(args):
+    """How serve's readiness check and banner pass the public port's TLS and token. Trusts
+    --tls-ca, else --tls-cert itself; under mutual TLS presents --tls-cert as its client certificate.
+    Checks the server's files too: a missing file is a usage error before any child starts."""
+    from pagedkv.security import ClientSecurity, ServerSecurity
+
+    ServerSecurity.from_args(args)
+    tls, mutual = args.tls_cert is not None, args.tls_client_ca is not None
+    return ClientSecurity.from_files(
+        tls_ca=(args.tls_ca or args.tls_cert) if tls else None,
+        tls_cert=args.tls_cert if mutual else None,
+        tls_key=args.tls_key if mutual else None,
+        tls_server_name=_tls_server_name(args) if tls else None,
+        auth_token_file=args.auth_token_file,
+    )
+
+
+def security_hints(args) -> tuple[str, str]:
+    """(pagedkv client flags, grpcurl flags) that pass the public port's TLS and token. The
+    token itself is never printed: grpcurl reads it with $(cat FILE)."""
+    cli, curl = [], []
+    if args.tls_cert is None:
+        curl.append("-plaintext")
+    else:
+        ca = args.tls_ca or args.tls_cert
+        cli += ["--tls-ca", ca]
+        curl += ["-cacert", ca]
+        name = _tls_server_name(args)
+        if name:
+            cli += ["--tls-server-name", name]
+            curl += ["-servername", name]
+        if args.tls_client_ca:
+            cli += ["--tls-cert", "CLIENT.crt", "--tls-key", "CLIENT.key"]
+            curl += ["-cert", "CLIENT.crt", "-key", "CLIENT.key"]
+    cli_text, curl_text = shlex.join(cli), shlex.join(curl)
+    if args.auth_token_file:
+        cli_text += " --auth-token-file " + shlex.quote(args.auth_token_file)
+        curl_text += f' -H "authorization: Bearer $(cat {shlex.quote(args.auth_token_file)})"'
+    return cli_text.strip(), curl_text.strip()
+
+
+def _wait_ready(sup: Supervisor, ready_file: Path, security=None) -> str | None:
     """The control plane's address once it is SERVING; None if a child died or we were stopped."""
     from pagedkv.client import Client, ClientError
 
@@ -132,7 +160,7 @@ def _wait_ready(sup: Supervisor, ready_file: Path) -> str | None:
                 return None
             if address is None and ready_file.exists():
                 address = json.loads(ready_file.read_text())["address"]
-                client = Client(address)
+                client = Client(address, security=security)
             if client is not None:
                 try:
                     if client.health(timeout=1.0) == "SERVING":
@@ -149,14 +177,16 @@ def _wait_ready(sup: Supervisor, ready_file: Path) -> str | None:
 def _banner(address: str, args, metrics_url: str | None) -> str:
     from pagedkv.client import Client
 
-    with Client(address) as c:
+    with Client(address, security=own_client_security(args)) as c:
         info = c.model_info(timeout=5.0)
+    cli, curl = security_hints(args)
+    server = f"--server {address}" + (f" {cli}" if cli else "")
     if info.tokenizer != "none":
         body = json.dumps({"text": "Hello, pagedkv", "sampling": {"max_tokens": 16}})
-        gen = f"pagedkv generate --server {address} 'Hello, pagedkv' --max-tokens 16"
+        gen = f"pagedkv generate {server} 'Hello, pagedkv' --max-tokens 16"
     else:
         body = json.dumps({"token_ids": [1, 2, 3], "sampling": {"max_tokens": 16}})
-        gen = f"pagedkv generate --server {address} --token-ids 1,2,3 --max-tokens 16"
+        gen = f"pagedkv generate {server} --token-ids 1,2,3 --max-tokens 16"
     kv_mib = info.kv_cache_bytes / 2**20
     return "\n".join(
         [
@@ -165,8 +195,8 @@ def _banner(address: str, args, metrics_url: str | None) -> str:
             f"{'paged' if info.kv_layout == 1 else 'contiguous'} layout)",
             "try:",
             f"  {gen}",
-            f"  grpcurl -plaintext -d {shlex.quote(body)} {address} pagedkv.v1.Engine/Generate",
-            f"  pagedkv stats --server {address}" + (f" --metrics {metrics_url}" if metrics_url else ""),
+            f"  grpcurl {curl} -d {shlex.quote(body)} {address} pagedkv.v1.Engine/Generate",
+            f"  pagedkv stats {server}" + (f" --metrics {metrics_url}" if metrics_url else ""),
             *_metrics_lines(args, metrics_url),
             "Ctrl-C stops both processes.",
         ]
@@ -185,22 +215,26 @@ def _metrics_lines(args, metrics_url: str | None) -> list[str]:
 
 def run_serve(args) -> int:
     worker_metrics_port(args.metrics_port)  # a bad port is a usage error before anything starts
+    security = own_client_security(args)  # so are unreadable TLS / token files
     tmpdir = Path(tempfile.mkdtemp(prefix="pagedkv-"))
     worker_cmd, control_cmd, ready_file = child_commands(args, tmpdir)
-    sup = Supervisor(worker_cmd, control_cmd)
+    backoff = Backoff(initial_s=args.worker_restart_backoff, max_s=max(30.0, args.worker_restart_backoff))
+    sup = Supervisor(
+        worker_cmd,
+        control_cmd,
+        backoff,
+        max_worker_restarts=args.max_worker_restarts,
+        stop_timeout_s=args.shutdown_grace + 10.0,
+    )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: sup.stop_requested.set())
     try:
-        address = _wait_ready(sup, ready_file)
+        address = _wait_ready(sup, ready_file, security)
         if address is None:
             return _finish(sup, "did not become ready")
         metrics_url = json.loads(ready_file.read_text()).get("metrics_url")
         print(_banner(address, args, metrics_url), flush=True)
-        while not sup.stop_requested.wait(0.2):
-            if sup.first_exited() is not None:
-                return _finish(sup, "exited")
-        sup.stop_all()
-        return 0
+        return sup.watch()
     finally:
         sup.stop_all()
         for p in tmpdir.iterdir():
@@ -209,14 +243,14 @@ def run_serve(args) -> int:
 
 
 def _finish(sup: Supervisor, what: str) -> int:
+    """Start-up failed or was interrupted: 0 after a stop signal, else 1 with the reason."""
     if sup.stop_requested.is_set():
-        sup.stop_all()
         return 0
     exited = sup.first_exited()
     if exited is not None:
         name, code = exited
-        print(f"[serve] the {name} process exited with status {code}; stopping the other", file=sys.stderr)
+        why = f"exited with {describe_exit(code)} before serving"
+        print(f"[serve] the {name} process {why}; stopping the other", file=sys.stderr)
     else:
         print(f"[serve] the services {what} within {START_TIMEOUT_S:.0f}s; stopping", file=sys.stderr)
-    sup.stop_all()
     return 1

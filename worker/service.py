@@ -30,7 +30,9 @@ from control_plane.plan import Plan, StepResult, WorkerInfo
 from control_plane.plan_codec import decode_plan, encode_result, encode_worker_info
 from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind, set_serving
 from pagedkv.logs import get_logger
+from pagedkv.security import ServerSecurity
 from pagedkv.v1 import worker_pb2, worker_pb2_grpc
+from worker.owner_lease import OWNER_METADATA_KEY, LeaseHeldError, OwnerLease
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 log = get_logger("pagedkv.worker")
@@ -63,8 +65,9 @@ def geometry_fields(info: WorkerInfo) -> dict:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker: WorkerLike | None = None) -> None:
+    def __init__(self, worker: WorkerLike | None = None, *, lease_grace_s: float = 5.0) -> None:
         self._worker = worker
+        self.lease = OwnerLease(lease_grace_s)
         self._info_pb: worker_pb2.WorkerInfo | None = None
         self._instance_id = ""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-worker")
@@ -136,12 +139,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def ExecuteStream(self, request_iterator, context):
         # An abort inside _execute_one raises out of this generator: the status ends the stream.
-        async for request in request_iterator:
-            yield await self._execute_one(request, context)
+        # An open stream holds its control plane's lease (worker/owner_lease.py).
+        owner = _owner_of(context)
+        self.lease.stream_opened(owner)
+        try:
+            async for request in request_iterator:
+                yield await self._execute_one(request, context, owner)
+        finally:
+            self.lease.stream_closed(owner)
 
-    async def _execute_one(self, request: worker_pb2.Plan, context) -> worker_pb2.StepResult:
-        """One plan, whichever RPC carried it: instance check, decode, the step thread, encode."""
+    async def _execute_one(
+        self, request: worker_pb2.Plan, context, owner: str | None = None
+    ) -> worker_pb2.StepResult:
+        """One plan, whichever RPC carried it: owner and instance checks, decode, the step
+        thread, encode."""
         worker = await self._require_worker(context)
+        try:
+            self.lease.check(_owner_of(context) if owner is None else owner)
+        except LeaseHeldError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         expected = request.expected_instance_id
         if expected and expected != self._instance_id:
             await context.abort(
@@ -161,12 +177,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Reset(self, request, context):
         worker = await self._require_worker(context)
+        owner = _owner_of(context)
+        try:
+            previous = self.lease.claim(owner, request.take_over)
+        except LeaseHeldError as e:
+            log.warning("worker.reset_refused", owner=owner, holder=self.lease.owner)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        if previous is not None:
+            log.warning("worker.taken_over", owner=owner, previous_owner=previous)
         try:
             await asyncio.get_running_loop().run_in_executor(self._executor, worker.reset)
         except Exception as e:  # noqa: BLE001
             await self._abort_for(context, "reset", e)
-        log.info("worker.reset", instance_id=self._instance_id)
-        return worker_pb2.ResetResponse(instance_id=self._instance_id)
+        log.info("worker.reset", instance_id=self._instance_id, owner=owner)
+        return worker_pb2.ResetResponse(instance_id=self._instance_id, previous_owner_id=previous or "")
 
     async def _abort_for(self, context, what: str, exc: Exception, **fields) -> None:
         code_name = getattr(exc, "grpc_code", "INTERNAL")
@@ -178,20 +202,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await context.abort(code, f"{what} failed: {exc}")
 
 
+def _owner_of(context) -> str:
+    """The calling control plane's id (`pagedkv-owner` metadata); "" when absent."""
+    for key, value in context.invocation_metadata() or ():
+        if key == OWNER_METADATA_KEY:
+            return value
+    return ""
+
+
 async def create_worker_server(
-    address: str, servicer: WorkerServicer, *, options=SERVER_OPTIONS
+    address: str, servicer: WorkerServicer, *, options=SERVER_OPTIONS, security: ServerSecurity | None = None
 ) -> tuple[grpc.aio.Server, str]:
     """Start a `pagedkv.v1.Worker` server (+ health, reflection) on `address`.
 
     Returns (server, the bound address: "host:port" with the real port, or "unix:///path").
     Health is SERVING only if the servicer already holds a worker; otherwise `servicer.load()`
-    flips it. Stop with `await server.stop(grace)`, then `servicer.close()`.
+    flips it. `security`: TLS and the token check (pagedkv.security), for a TCP listener; None =
+    plaintext, open. Stop with `await server.stop(grace)`, then `servicer.close()`.
     """
-    server = grpc.aio.server(options=list(options))
+    security = security or ServerSecurity()
+    server = grpc.aio.server(options=list(options), interceptors=security.interceptors)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     servicer.attach_health(health)
     await set_serving(health, [SERVICE_NAME], servicer.ready)
-    bound, _ = bind(server, address)
+    bound, _ = bind(server, address, security.credentials)
     await server.start()
     return server, bound

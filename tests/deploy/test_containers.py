@@ -21,6 +21,7 @@ DOCKER = REPO / "deploy" / "docker"
 K8S = REPO / "deploy" / "k8s"
 K8S_VERSION = "1.34.0"  # bundled by kubernetes-validate; the oldest the manifests target
 SOCKET = "unix:///run/pagedkv/worker.sock"
+HEALTHCHECK = "/opt/pagedkv/deploy/healthcheck.py"
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.jetson"])
@@ -111,13 +112,16 @@ def test_k8s_pod_runs_both_processes_with_probes_and_a_gpu():
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert containers["worker"]["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert "nvidia.com/gpu" not in containers["control"]["resources"].get("limits", {})
-    # Control plane: native gRPC probes; liveness asks the always-SERVING service.
-    assert containers["control"]["readinessProbe"]["grpc"] == {"port": control_port(control)}
-    assert containers["control"]["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE
+    # Control plane: TLS on its port, which kubelet's native gRPC probe cannot speak, so exec
+    # probes through deploy/healthcheck.py on loopback; liveness asks the always-SERVING service.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = containers["control"][probe]["exec"]["command"]
+        assert command[0] == HEALTHCHECK and command[-1] == f"127.0.0.1:{control_port(control)}"
+    assert f"--service={LIVENESS_SERVICE}" in containers["control"]["livenessProbe"]["exec"]["command"]
     # Worker: Unix socket only, so exec probes through deploy/healthcheck.py.
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         command = containers["worker"][probe]["exec"]["command"]
-        assert command[0] == "/opt/pagedkv/deploy/healthcheck.py" and command[-1] == SOCKET
+        assert command[0] == HEALTHCHECK and command[-1] == SOCKET
     assert "--alive" in containers["worker"]["livenessProbe"]["exec"]["command"]
     grace = int(config_map["data"]["PAGEDKV_SHUTDOWN_GRACE"])
     assert pod["terminationGracePeriodSeconds"] > grace
@@ -138,3 +142,48 @@ def test_k8s_services_select_the_pods_and_headless_is_headless():
     (pdb,) = _by_kind("PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert deployment["spec"]["replicas"] >= 2
+
+
+def _mounted(container: dict, volumes: dict[str, dict], path: str) -> dict:
+    """The pod volume that holds `path` in `container`."""
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    return volumes[mount["name"]]
+
+
+def test_k8s_control_plane_serves_tls_and_requires_a_token():
+    """Its port is reachable from the cluster network: TLS + a bearer token from Secrets, and
+    probes that verify the certificate (health needs no token)."""
+    (deployment,) = _by_kind("Deployment")
+    (config_map,) = _by_kind("ConfigMap")
+    pod = deployment["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    container = next(c for c in pod["containers"] if c["name"] == "control")
+    control = build_parser().parse_args(_container_args(container, config_map["data"]))
+    assert control.listen.startswith("0.0.0.0:")
+    env = {e["name"]: e["value"] for e in container["env"]}
+    for path in (control.tls_cert, control.tls_key, control.auth_token_file, env["PAGEDKV_HEALTH_TLS_CA"]):
+        assert "secret" in _mounted(container, volumes, path), path
+    assert env["PAGEDKV_HEALTH_TLS_SERVER_NAME"]
+
+
+def _load_compose(path: Path) -> dict:
+    """Compose YAML with its merge tags (!override, !reset) read as plain values."""
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    for tag in ("!override", "!reset"):
+        Loader.add_constructor(tag, lambda loader, node: loader.construct_sequence(node))
+    return yaml.load(path.read_text(), Loader=Loader)  # noqa: S506 -- SafeLoader subclass
+
+
+def test_compose_tls_overlay_exposes_the_control_plane_with_tls_and_a_token():
+    overlay = _load_compose(DOCKER / "compose.tls.yaml")
+    control = overlay["services"]["control"]
+    args = build_parser().parse_args([_expand_compose(w) for w in control["command"]])
+    assert args.listen == "0.0.0.0:50051" and args.worker == SOCKET
+    secrets = {f"/run/secrets/{name}" for name in control["secrets"]}
+    assert {args.tls_cert, args.tls_key, args.auth_token_file} <= secrets
+    assert control["environment"]["PAGEDKV_HEALTH_TLS_CA"] in secrets
+    assert set(control["secrets"]) <= overlay["secrets"].keys()
+    assert any(p.startswith("50051:") or p.startswith("0.0.0.0:50051:") for p in control["ports"])

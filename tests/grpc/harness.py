@@ -32,13 +32,19 @@ class Stack:
         worker_factory: Callable[[], object],
         config: SchedulerConfig | None = None,
         options: EngineOptions | None = None,
+        *,
+        security=None,
+        client_kwargs: dict | None = None,
     ) -> None:
+        """`security`: the Engine server's pagedkv.security.ServerSecurity; `client_kwargs`: what
+        `self.client` needs to pass it (tls_ca=..., auth_token=...)."""
         # A short private directory: Unix socket paths are limited to ~107 bytes.
         self._sockdir = tempfile.mkdtemp(prefix="pkv-")
         self.worker_address = f"unix://{self._sockdir}/worker.sock"
         self.worker_factory = worker_factory
         self.config = config or SchedulerConfig()
         self.options = options or EngineOptions(worker_grace_s=2.0)
+        self.security = security
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-grpc-loop", daemon=True)
         self._thread.start()
@@ -46,7 +52,7 @@ class Stack:
         self.worker_server = None
         self.servicer = None
         self.address = self.call(self._start())
-        self.client = Client(self.address, timeout=TIMEOUT_S)
+        self.client = Client(self.address, timeout=TIMEOUT_S, **(client_kwargs or {}))
         self.client.wait_ready(TIMEOUT_S)
 
     # -- running things on the loop thread ---------------------------------------------------
@@ -65,7 +71,7 @@ class Stack:
     async def _start(self) -> str:
         await self._start_worker()
         self.engine = AsyncEngine(WorkerClient(self.worker_address), self.config, self.options)
-        self.server, address = await create_server("127.0.0.1:0", self.engine)
+        self.server, address = await create_server("127.0.0.1:0", self.engine, security=self.security)
         return address
 
     async def _start_worker(self) -> None:

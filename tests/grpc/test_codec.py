@@ -80,7 +80,17 @@ def _wire(msg):
 @settings(max_examples=150, deadline=None)
 @given(plans)
 def test_plan_round_trips_exactly(plan):
+    for s in plan.new:  # stop conditions never travel to the worker
+        s.sampling = s.sampling.for_worker()
     assert decode_plan(_wire(encode_plan(plan))) == plan
+
+
+def test_stop_conditions_do_not_travel_in_plans():
+    heavy = SamplingParams(max_tokens=7, stop_token_ids=tuple(range(10_000)), stop=("x" * 200,), n=3)
+    light = SamplingParams(max_tokens=7, n=3)
+    plan = Plan(1, new=[NewSequence(1, [1], [2, 3], 0, heavy, True, 0, 3)])
+    same = Plan(1, new=[NewSequence(1, [1], [2, 3], 0, light, True, 0, 3)])
+    assert encode_plan(plan).ByteSize() == encode_plan(same).ByteSize()
 
 
 @settings(max_examples=150, deadline=None)

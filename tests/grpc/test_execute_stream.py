@@ -24,6 +24,7 @@ from control_plane.scheduler import Scheduler
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.sim_worker import reference_tokens
 from control_plane.worker_client import WorkerClient, WorkerRestartedError, WorkerStepError
+from pagedkv.grpc_util import OWNER_METADATA_KEY
 from pagedkv.v1 import worker_pb2_grpc
 from tests.grpc.conftest import VOCAB, ScriptedWorker
 from worker.service import WorkerServicer, create_worker_server
@@ -95,13 +96,15 @@ async def serving(worker, *, step_timeout_s: float = 30.0):
 
 
 @contextlib.asynccontextmanager
-async def unary_execute(address: str, instance_id: str):
-    """An `execute(plan)` over unary Execute, as grpcurl or a simple client would call it."""
+async def unary_execute(address: str, instance_id: str, owner_id: str = ""):
+    """An `execute(plan)` over unary Execute, as grpcurl or a simple client would call it
+    (as the owner `owner_id`: `grpcurl -H 'pagedkv-owner: ID'`)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
+        metadata = ((OWNER_METADATA_KEY, owner_id),)
 
         async def execute(plan: Plan):
-            return decode_result(await stub.Execute(encode_plan(plan, instance_id)))
+            return decode_result(await stub.Execute(encode_plan(plan, instance_id), metadata=metadata))
 
         yield execute
 
@@ -120,7 +123,7 @@ async def _stream_vs_unary(worker) -> tuple[dict, dict, CountingServicer]:
         await client.reset()
         via_stream = await Run(info).finish(streamed(client, info.instance_id))
         await client.reset()
-        async with unary_execute(address, info.instance_id) as execute:
+        async with unary_execute(address, info.instance_id, client.owner_id) as execute:
             via_unary = await Run(info).finish(execute)
         return via_stream, via_unary, servicer
 

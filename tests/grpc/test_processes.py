@@ -156,8 +156,9 @@ def test_serve_prints_ready_commands_and_stops_cleanly(tmp_path):
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
-def test_serve_exits_nonzero_when_a_child_dies(tmp_path):
-    proc, _ = _serve(tmp_path)
+def test_serve_exits_nonzero_when_the_worker_dies_and_may_not_restart(tmp_path):
+    """`--max-worker-restarts 0`: today's behaviour (restarts: tests/grpc/test_supervisor.py)."""
+    proc, _ = _serve(tmp_path, "--max-worker-restarts", "0")
     try:
         worker_pid = next(
             pid
@@ -170,4 +171,4 @@ def test_serve_exits_nonzero_when_a_child_dies(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert code != 0
-    assert "exited" in (tmp_path / "serve.err").read_text()
+    assert "not restarting it" in (tmp_path / "serve.err").read_text()

@@ -112,3 +112,15 @@ def test_failed_step_ends_live_requests_with_internal(make_stack, exc, logged_co
     assert err.code == grpc.StatusCode.INTERNAL
     assert logged_code in err.details and str(exc) in err.details
     _assert_recovered(stack)
+
+
+def test_an_idle_control_plane_notices_a_dead_worker_without_a_request(make_stack):
+    """Its plan stream (held open between requests) ends when the worker goes: health turns
+    NOT_SERVING at once, and SERVING again when a worker is back."""
+    stack = make_stack(options=EngineOptions(worker_grace_s=0.2))
+    assert stack.client.health() == "SERVING"
+    stack.kill_worker()
+    _wait(lambda: stack.client.health() == "NOT_SERVING", timeout=30)
+    stack.restart_worker()
+    _wait(lambda: stack.client.health() == "SERVING", timeout=30)
+    _assert_recovered(stack)

@@ -1,0 +1,149 @@
+"""The process supervisor behind `pagedkv serve`: start the two children, restart a crashed worker.
+
+Why the worker is restarted and the control plane is not: the control plane already survives
+a worker's death by itself (it reconnects to the same socket, sees a new instance id,
+recomputes live requests within `--worker-grace` or fails them with UNAVAILABLE, and reports
+health NOT_SERVING meanwhile), so a new worker is all that recovery needs. A dead control plane
+has lost every client stream and its public port; restarting it behind the clients' backs
+would hide that, so `serve` stops the worker and exits non-zero and leaves the decision to
+whatever runs `serve` (systemd, a container runtime, a person).
+
+A worker is only restarted once it has been ready: a worker that dies during the first start
+(a bad `--model`, too little memory) would fail the same way again, so that stays an error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+STOP_TIMEOUT_S = 15.0
+
+
+def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def describe_exit(code: int) -> str:
+    """'status 1' or 'signal SIGKILL' (Popen reports death by signal N as -N)."""
+    if code >= 0:
+        return f"status {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
+
+
+@dataclass
+class Backoff:
+    """Restart delays: `initial_s`, doubling per consecutive crash up to `max_s`.
+
+    A run that lasted `reset_after_s` or longer counts as stable, so the next crash starts over
+    at `initial_s`: a worker that crashes once a day restarts at once, one that crash-loops
+    backs off to one attempt per `max_s`. Pure (the caller measures uptime), so it is tested
+    without processes or clocks.
+    """
+
+    initial_s: float = 0.5
+    max_s: float = 30.0
+    reset_after_s: float = 60.0
+    consecutive: int = 0  # restarts since the last stable run, this one included
+
+    def after_exit(self, uptime_s: float) -> float:
+        """The delay before restarting a process that exited after running `uptime_s` seconds."""
+        if uptime_s >= self.reset_after_s:
+            self.consecutive = 0
+        delay = min(self.max_s, self.initial_s * 2.0 ** min(self.consecutive, 64))
+        self.consecutive += 1
+        return delay
+
+
+def _log(message: str) -> None:
+    print(f"[serve] {message}", file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    """Owns the worker and control-plane processes. Call its methods from the main thread only:
+    the parent-death signal of a child is tied to the thread that started it."""
+
+    def __init__(
+        self,
+        worker_cmd: list[str],
+        control_cmd: list[str],
+        backoff: Backoff | None = None,
+        max_worker_restarts: int | None = None,
+        stop_timeout_s: float = STOP_TIMEOUT_S,
+    ) -> None:
+        self.stop_requested = threading.Event()
+        self.cmds = {"worker": worker_cmd, "control": control_cmd}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.started_at: dict[str, float] = {}
+        self.backoff = backoff or Backoff()
+        self.max_worker_restarts = max_worker_restarts  # consecutive, None = unlimited
+        self.worker_restarts = 0
+        self.stop_timeout_s = stop_timeout_s  # per child; above its --shutdown-grace
+        for name in ("worker", "control"):
+            self._start(name)
+
+    def _start(self, name: str) -> None:
+        self.procs[name] = subprocess.Popen(self.cmds[name], preexec_fn=_set_parent_death_signal)
+        self.started_at[name] = time.monotonic()
+
+    def first_exited(self) -> tuple[str, int] | None:
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                return name, code
+        return None
+
+    def watch(self) -> int:
+        """Run after both children were ready, until stopped (0), the control plane dies or the
+        worker runs out of restarts (1). Children are left running for `stop_all`."""
+        while not self.stop_requested.wait(0.2):
+            code = self.procs["control"].poll()
+            if code is not None:
+                _log(f"the control process exited with {describe_exit(code)}; stopping the worker")
+                return 1
+            code = self.procs["worker"].poll()
+            if code is not None and not self._restart_worker(code):
+                return 1
+        return 0
+
+    def _restart_worker(self, code: int) -> bool:
+        """Wait out the back-off and start a new worker; False when the restarts are used up.
+        A stop signal during the wait returns at once (True): `watch` then sees the stop."""
+        uptime = time.monotonic() - self.started_at["worker"]
+        delay = self.backoff.after_exit(uptime)
+        exited = f"the worker process exited with {describe_exit(code)} after {uptime:.1f}s"
+        limit = self.max_worker_restarts
+        if limit is not None and self.backoff.consecutive > limit:
+            _log(f"{exited}; not restarting it (--max-worker-restarts {limit} in a row); stopping")
+            return False
+        _log(f"{exited}; restarting it in {delay:.1f}s")
+        if self.stop_requested.wait(delay):
+            return True
+        self._start("worker")
+        self.worker_restarts += 1
+        _log(f"worker restarted (pid {self.procs['worker'].pid}, restart {self.worker_restarts})")
+        return True
+
+    def stop_all(self) -> None:
+        """Control plane first (it drains streams), then the worker; kill after a timeout."""
+        for name in ("control", "worker"):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(self.stop_timeout_s)
+                except subprocess.TimeoutExpired:
+                    _log(f"{name} ignored SIGTERM; killing it")
+                    proc.kill()
+                    proc.wait()
