@@ -60,9 +60,7 @@ def check_fields(request_id: str, cache_salt: str, stop: tuple[str, ...], stop_t
     if any(not 1 <= len(s) <= MAX_STOP_LEN for s in stop):
         raise InvalidRequestError(f"each stop string must have 1..{MAX_STOP_LEN} characters")
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError(
-            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(stop_token_ids)}"
-        )
+        raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(stop_token_ids)}")
 
 
 def check_prompt_size(num_tokens: int | None, num_chars: int | None, max_model_len: int) -> None:

@@ -26,6 +26,7 @@ from control_plane.limits import MAX_ENGINE_MESSAGE_BYTES, check_request_id, sho
 from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind, set_serving
 from pagedkv.logs import get_logger
 from pagedkv.security import ServerSecurity
+from pagedkv.service_registry import add_service
 from pagedkv.v1 import engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -145,7 +146,7 @@ async def create_server(
     """
     security = security or ServerSecurity()
     server = grpc.aio.server(options=list(options), interceptors=security.interceptors)
-    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
+    add_service(server, EngineServicer(engine), engine_pb2.DESCRIPTOR.services_by_name["Engine"])
     health = add_health_and_reflection(server, [SERVICE_NAME])
     await set_serving(health, [SERVICE_NAME], False)
     await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)

@@ -40,7 +40,7 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     structlog.configure(
         processors=[
             *shared,
-            structlog.processors.format_exc_info if fmt == "json" else _identity,
+            structlog.processors.format_exc_info if fmt == "json" else _escape_control_characters,
             structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
         ],
         logger_factory=structlog.stdlib.LoggerFactory(),
@@ -61,7 +61,13 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     root.setLevel(num_level)
 
 
-def _identity(logger, name, event_dict):
+def _escape_control_characters(logger, name, event_dict):
+    """Console lines: a client's NUL, escape sequence or newline in a field (a request id, an
+    error text) is shown escaped, never written raw to a terminal or a line-based log. (JSON
+    lines escape them already.)"""
+    for key, value in event_dict.items():
+        if isinstance(value, str) and not value.isprintable():
+            event_dict[key] = value.encode("unicode_escape").decode("ascii")
     return event_dict
 
 

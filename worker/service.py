@@ -31,6 +31,7 @@ from control_plane.plan_codec import decode_plan, encode_result, encode_worker_i
 from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind, set_serving
 from pagedkv.logs import get_logger
 from pagedkv.security import ServerSecurity
+from pagedkv.service_registry import add_service
 from pagedkv.v1 import worker_pb2, worker_pb2_grpc
 from worker.owner_lease import OWNER_METADATA_KEY, LeaseHeldError, OwnerLease
 
@@ -222,7 +223,7 @@ async def create_worker_server(
     """
     security = security or ServerSecurity()
     server = grpc.aio.server(options=list(options), interceptors=security.interceptors)
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    add_service(server, servicer, worker_pb2.DESCRIPTOR.services_by_name["Worker"])
     health = add_health_and_reflection(server, [SERVICE_NAME])
     servicer.attach_health(health)
     await set_serving(health, [SERVICE_NAME], servicer.ready)
