@@ -16,7 +16,7 @@ PROTO_SRC := $(wildcard protos/pagedkv/v1/*.proto)
 PROTO_STAMP := pagedkv/v1/.generated-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all setup proto run test test-gpu bench bench-quick bench-gpu device-wheels lint clean
+.PHONY: all setup proto run test test-gpu bench bench-quick bench-gpu soak device-wheels lint clean
 
 all: test
 
@@ -56,6 +56,14 @@ bench-quick: setup
 
 bench-gpu: setup
 	$(PY) -m bench.gpu $(ARGS)
+
+# The long soak (bench/soak.py): 64 clients for 4 minutes against worker + control plane as two
+# processes on a deliberately tight KV pool; exits non-zero on any violation. Not part of
+# `make test` (tests/soak runs a bounded one). ARGS are appended and win, e.g.
+# make soak ARGS="--seconds 600 --profile fanout" or ARGS="--address HOST:PORT".
+SOAK_ARGS ?= --clients 64 --seconds 240
+soak: setup
+	$(PY) -m bench.soak $(SOAK_ARGS) $(ARGS)
 
 # Wheels (CPython 3.12, x86-64) of what the lent GPU machine's image lacks, pinned to this
 # venv's versions, for `.ci/gpu-device` there (see that file and docs/GPU_VALIDATION.md).

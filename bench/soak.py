@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import sys
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -46,6 +47,7 @@ class SoakConfig:
     min_requests: int = 0
     seed: int = 0
     profile: str = "mixed"
+    max_tokens: int = 64  # largest max_tokens of the mixed profile
     hostile_bytes: int = 1 << 20  # size of each hostile request id / cache salt / text
     hostile_fields: tuple[str, ...] = HOSTILE_FIELDS
     huge_stop_requests: int = 1  # requests with a ~40 MiB stop_token_ids list and n = 3
@@ -134,9 +136,10 @@ async def _drain(admin: AsyncClient, cfg: SoakConfig):
 
 
 async def _probes(admin: AsyncClient, ctx: SoakContext, phase: str) -> list[list[list[int]]]:
-    out = []
+    """The probes' tokens. A salt never used before keeps every run cold (see probe_specs)."""
+    out, nonce = [], uuid.uuid4().hex
     for i, spec in enumerate(probe_specs(ctx.geo)):
-        spec.cache_salt, spec.request_id = f"soak-probe-{phase}", f"soak-probe-{phase}-{i}"
+        spec.cache_salt = spec.request_id = f"soak-probe-{phase}-{nonce}-{i}"
         check = await run_request(admin, spec, ctx, f"probe {i} at {phase}")
         out.append(check.tokens())
     return out
@@ -161,7 +164,7 @@ def _context(cfg: SoakConfig, geo: Geometry, address: str) -> SoakContext:
     slow = [AsyncClient(address, options=SLOW_READER) for _ in range(max(1, cfg.clients // 8))]
     ctx = SoakContext(
         geo=geo,
-        workload=Workload(geo, cfg.profile, cfg.seed, cfg.hostile_bytes),
+        workload=Workload(geo, cfg.profile, cfg.seed, cfg.hostile_bytes, cfg.max_tokens),
         tally=Tally(),
         clients=clients,
         slow_clients=slow,
@@ -220,9 +223,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--profile", choices=PROFILES, default=d.profile, help="fanout: n>1 + first-token stops")
+    ap.add_argument("--max-tokens", type=int, default=d.max_tokens, help="largest max_tokens (mixed)")
     ap.add_argument("--hostile-bytes", type=int, default=d.hostile_bytes, help="size of huge id/salt/text")
     ap.add_argument("--no-hostile", action="store_true", help="no oversized requests at all")
     ap.add_argument("--huge-stop-requests", type=int, default=d.huge_stop_requests)
+    ap.add_argument("--abort-rate", type=float, default=d.abort_rate, help="chance of an Abort per request")
     ap.add_argument("--hang-guard", type=float, default=d.hang_guard_s, help="deadline of every request (s)")
     ap.add_argument("--address", help="soak this running server instead of starting one")
     stack = ap.add_argument_group("the started stack (ignored with --address)")
@@ -234,6 +239,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> SoakConfig:
+    d = SoakConfig()
     return SoakConfig(
         clients=args.clients,
         seconds=args.seconds,
@@ -241,10 +247,13 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         min_requests=args.min_requests,
         seed=args.seed,
         profile=args.profile,
+        max_tokens=args.max_tokens,
         hostile_bytes=args.hostile_bytes,
         hostile_fields=() if args.no_hostile else HOSTILE_FIELDS,
         huge_stop_requests=0 if args.no_hostile else args.huge_stop_requests,
+        abort_rate=args.abort_rate,
         hang_guard_s=args.hang_guard,
+        drain_timeout_s=min(d.drain_timeout_s, args.hang_guard),
     )
 
 

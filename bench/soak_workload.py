@@ -129,12 +129,20 @@ def _huge_stop_ids(spec: Spec) -> bytes:
 class Workload:
     """Seeded generator of Specs for one profile over one geometry."""
 
-    def __init__(self, geo: Geometry, profile: str = "mixed", seed: int = 0, hostile_bytes: int = 1 << 20):
+    def __init__(
+        self,
+        geo: Geometry,
+        profile: str = "mixed",
+        seed: int = 0,
+        hostile_bytes: int = 1 << 20,
+        max_tokens: int = 64,
+    ):
         if profile not in PROFILES:
             raise ValueError(f"unknown profile {profile!r}; one of {PROFILES}")
         self.geo = geo
         self.profile = profile
         self.hostile_bytes = hostile_bytes
+        self.max_tokens = max_tokens  # of the mixed profile (the fan-out profile uses <= 16)
         rng = random.Random(seed)
         # Shared prefixes (some block-aligned, some not) make prefix-cache hits across clients.
         self.prefixes = [self._tokens(rng, rng.randint(geo.block_size, 6 * geo.block_size)) for _ in range(6)]
@@ -163,7 +171,7 @@ class Workload:
 
     def _mixed(self, rng: random.Random, kind: str) -> Spec:
         geo = self.geo
-        max_tokens = rng.randint(1, min(64, geo.pool_tokens // 2))
+        max_tokens = rng.randint(1, min(self.max_tokens, geo.pool_tokens // 2))
         spec = Spec(
             kind, self.prompt(rng, min(12 * geo.block_size, geo.pool_tokens - max_tokens)), max_tokens
         )

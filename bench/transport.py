@@ -36,7 +36,7 @@ from control_plane.plan import ContinuingSequence, NewSequence, Plan, SamplingPa
 from control_plane.plan_codec import decode_result, encode_plan
 from control_plane.sim_worker import SimWorker
 from control_plane.worker_client import WorkerClient
-from pagedkv.grpc_util import CHANNEL_OPTIONS
+from pagedkv.grpc_util import CHANNEL_OPTIONS, OWNER_METADATA_KEY
 from pagedkv.v1 import worker_pb2_grpc
 from worker.service import WorkerServicer, create_worker_server
 from worker.worker import Worker
@@ -68,13 +68,16 @@ def decode_plan_at(step: int, batch: int) -> Plan:
 
 
 @contextlib.asynccontextmanager
-async def _unary_execute(target: str):
-    """`execute(plan)` over unary Execute, on its own channel (the grpcurl / simple-client path)."""
+async def _unary_execute(target: str, owner_id: str):
+    """`execute(plan)` over unary Execute, on its own channel (the grpcurl / simple-client path).
+    Sent as `owner_id`, the WorkerClient that attached (Reset): the worker's owner lease refuses
+    plans from anyone else while that client's plan stream is open."""
+    metadata = ((OWNER_METADATA_KEY, owner_id),)
     async with grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS)) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
 
         async def execute(plan: Plan) -> StepResult:
-            return decode_result(await stub.Execute(encode_plan(plan)))
+            return decode_result(await stub.Execute(encode_plan(plan), metadata=metadata))
 
         yield execute
 
@@ -110,7 +113,7 @@ async def _measure_batch(sockdir: str, batch: int, steps: int, rounds: int) -> d
         paths = {}  # path -> (execute, reset of the worker behind it)
         for name, address in targets.items():
             client = await stack.enter_async_context(_serve(address, batch))
-            unary = await stack.enter_async_context(_unary_execute(client.target))
+            unary = await stack.enter_async_context(_unary_execute(client.target, client.owner_id))
             paths[f"unary_{name}"] = (unary, client.reset)
             paths[f"stream_{name}"] = (client.execute, client.reset)  # the control plane's path
         samples: dict[str, list[float]] = {"direct": []}

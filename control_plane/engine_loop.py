@@ -29,21 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from control_plane import limits
+from control_plane.engine_requests import EngineRequests
 from control_plane.errors import (
     EngineError,
-    InvalidRequestError,
     RequestNotFoundError,
     WorkerUnavailableError,
 )
-from control_plane.plan import Plan, SamplingParams, StepResult, WorkerInfo
-from control_plane.request import FinishReason, RequestOutput
-from control_plane.request_stream import Chunk, RequestStream, TokenTimings
+from control_plane.plan import Plan, StepResult, WorkerInfo
+from control_plane.request import FinishReason
+from control_plane.request_stream import RequestStream, TokenTimings
 from control_plane.scheduler import Scheduler
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.stats import SequenceTable, StatsSnapshot
@@ -52,10 +50,6 @@ from control_plane.worker_client import WorkerOwnedError, WorkerStepError
 from pagedkv.logs import get_logger
 
 log = get_logger("pagedkv.control")
-
-# Texts longer than this are tokenized on a thread (tokenizers release the GIL), so a long
-# prompt does not hold up every other stream's next step.
-TOKENIZE_INLINE_CHARS = 16_384
 
 
 class AsyncWorker(Protocol):
@@ -96,7 +90,7 @@ class _StepFailed(Exception):
         self.error, self.lost = error, lost
 
 
-class AsyncEngine:
+class AsyncEngine(EngineRequests):
     def __init__(
         self,
         worker: AsyncWorker,
@@ -172,89 +166,6 @@ class AsyncEngine:
             self.available = ok
             for listener in self._listeners:
                 listener(ok)
-
-    # -- requests ---------------------------------------------------------------------------
-    async def submit(
-        self,
-        prompt_token_ids: Sequence[int] | None,
-        text: str | None,
-        sampling: SamplingParams,
-        *,
-        request_id: str = "",
-        priority: int = 0,
-        cache_salt: str = "",
-    ) -> RequestStream:
-        """Admit a request; raises an EngineError (mapped to a gRPC status by the service).
-        Sizes are checked (control_plane.limits) before tokenizing or scanning the prompt."""
-        self._require_available()
-        if (prompt_token_ids is None) == (text is None):
-            raise InvalidRequestError("send exactly one of `text` and `token_ids`")
-        limits.check_fields(request_id, cache_salt, sampling.stop, sampling.stop_token_ids)
-        max_len = self.scheduler.max_model_len
-        if text is not None:
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer on the server; send `token_ids`")
-            limits.check_prompt_size(None, len(text), max_len)
-            prompt_token_ids = await self._tokenize(text)
-            if not prompt_token_ids:
-                raise InvalidRequestError("the prompt text is empty; send at least one character")
-            self._require_available()  # the worker may have gone while we tokenized
-        if sampling.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a server-side tokenizer; use stop_token_ids")
-        limits.check_prompt_size(len(prompt_token_ids), None, max_len)
-        request_id = request_id or uuid.uuid4().hex
-        self.scheduler.add_request(request_id, list(prompt_token_ids), sampling, priority, cache_salt)
-        stream = RequestStream(request_id, sampling.n, self.tokenizer, sampling.stop)
-        self._streams[request_id] = stream
-        self._work.set()
-        log.debug(
-            "request.added",
-            request_id=limits.short(request_id),
-            prompt_tokens=len(prompt_token_ids),
-            n=sampling.n,
-        )
-        return stream
-
-    def _require_available(self) -> None:
-        if self._draining:
-            raise WorkerUnavailableError("the server is shutting down; retry on another replica")
-        if not self.available or self.scheduler is None:
-            raise WorkerUnavailableError(
-                f"no worker is connected (worker at {self.worker.target} is starting, restarting, "
-                "down or not answering); retry shortly"
-            )
-
-    async def _tokenize(self, text: str) -> list[int]:
-        if len(text) <= TOKENIZE_INLINE_CHARS:
-            return self.tokenizer.encode(text)
-        return await asyncio.to_thread(self.tokenizer.encode, text)
-
-    def abort(self, request_id: str, *, reason: FinishReason = FinishReason.ABORT) -> int:
-        """End a live request now (blocks freed); returns the samples aborted. RequestNotFoundError."""
-        if self.scheduler is None:
-            raise RequestNotFoundError(f"no live request with id {request_id!r}")
-        outputs = self.scheduler.abort_request(request_id, reason)
-        self._dispatch(outputs)
-        self._work.set()  # the worker must be told to drop the mirrors
-        return len(outputs)
-
-    def release(self, stream: RequestStream) -> None:
-        """The client of `stream` went away (cancel, disconnect, deadline): abort its request
-        quietly if still live. Keyed by the stream object, never by id alone: once a request
-        finished its id may be reused by a new one, which must not be touched."""
-        request_id = stream.request_id
-        if self._streams.get(request_id) is not stream:
-            return  # already finished or failed (and the id possibly reused)
-        del self._streams[request_id]
-        if stream.done or self.scheduler is None:
-            return
-        stream.done = True
-        try:
-            self.scheduler.abort_request(request_id, FinishReason.ABORT)
-        except EngineError:
-            return
-        self._work.set()
-        log.info("request.cancelled", request_id=limits.short(request_id), tokens=stream.num_tokens)
 
     # -- queries ----------------------------------------------------------------------------
     def stats(self) -> StatsSnapshot | None:
@@ -419,48 +330,6 @@ class AsyncEngine:
             stream.fail(error)
         if streams:
             log.warning("requests.failed", count=len(streams), error=str(error))
-
-    # -- outputs ----------------------------------------------------------------------------
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        batches: dict[str, list[Chunk]] = {}
-        for out in outputs:
-            self.num_generation_tokens += len(out.new_token_ids)
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # the client already went away
-            chunk, stop_matched = stream.to_chunk(out)
-            if stop_matched:
-                self._finish_on_stop(out, chunk)
-            batches.setdefault(out.request_id, []).append(chunk)
-        for request_id, chunks in batches.items():
-            stream = self._streams[request_id]
-            timings = stream.push(chunks)
-            if self._observer is not None:
-                self._observer.on_tokens(timings)
-            if stream.done:
-                del self._streams[request_id]
-                self._log_finished(stream, chunks)
-
-    def _finish_on_stop(self, out: RequestOutput, chunk: Chunk) -> None:
-        if out.finish_reason is None:
-            ended = self.scheduler.finish_sample(out.request_id, out.index, FinishReason.STOP)
-            if ended is not None:
-                chunk.usage = ended.usage
-            self._work.set()
-        chunk.finish_reason = FinishReason.STOP
-
-    def _log_finished(self, stream: RequestStream, chunks: list[Chunk]) -> None:
-        now = time.monotonic()
-        ttft = (stream.first_token_at - stream.created) if stream.first_token_at else None
-        reasons = sorted({c.finish_reason.name for c in chunks if c.finish_reason is not None})
-        log.info(
-            "request.finished",
-            request_id=limits.short(stream.request_id),
-            finish=",".join(reasons),
-            tokens=stream.num_tokens,
-            ttft_ms=round(ttft * 1e3, 1) if ttft is not None else None,
-            total_ms=round((now - stream.created) * 1e3, 1),
-        )
 
 
 def _geometry(info: WorkerInfo) -> tuple:

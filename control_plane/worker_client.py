@@ -53,8 +53,14 @@ class WorkerStepError(EngineError):
         self.code = code
 
 
+# What gRPC itself (not the worker's code) answers when a call's transport breaks mid-flight,
+# e.g. the worker server stops while a plan runs. The worker's own INTERNAL errors always
+# carry its message ("execute failed: ..."), so this one means "unreachable", not "failed".
+_TRANSPORT_INTERNAL = "Internal error from Core"
+
+
 def _translate(code: grpc.StatusCode, details: str, target: str, what: str) -> EngineError:
-    if code in _UNAVAILABLE:
+    if code in _UNAVAILABLE or (code == grpc.StatusCode.INTERNAL and details == _TRANSPORT_INTERNAL):
         return WorkerUnavailableError(f"worker at {target} unreachable during {what}: {code.name} {details}")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return WorkerRestartedError(f"worker at {target} restarted: {details}")

@@ -25,7 +25,7 @@ legitimate plaintext setup. One mechanism serves both.
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -195,7 +195,7 @@ class ClientSecurity:
 
     credentials: grpc.ChannelCredentials | None = None
     metadata: tuple[tuple[str, str], ...] | None = None
-    options: tuple[tuple[str, str], ...] = field(default=())
+    options: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_files(

@@ -1,6 +1,11 @@
 """CI smoke test of `make bench`: the quick suite runs end to end in a subprocess and writes
 its report into a temporary directory. Checks that the files and every suite's section exist,
-not the numbers (CI machines are too noisy for performance assertions)."""
+not the numbers (CI machines are too noisy for performance assertions).
+
+Timing: `python -m bench --quick` takes about 45-60 s on the 2-core CI VM (measured with the
+machine otherwise idle and under a concurrent test run). The limit below is only a hang
+guard, 15x that, so a slow or busy machine never fails this test for being slow (270 s, 5x,
+once did)."""
 
 from __future__ import annotations
 
@@ -15,17 +20,18 @@ from bench.__main__ import SUITES
 
 REPO = Path(__file__).resolve().parents[2]
 PLOTS = ("memory_blocks.png", "prefix_cache_ttft.png")
+HANG_GUARD_S = 900  # ~15x the normal run (see the module docstring)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(280)
+@pytest.mark.timeout(HANG_GUARD_S + 60)
 def test_quick_bench_writes_every_section(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=270,
+        timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
