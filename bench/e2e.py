@@ -47,19 +47,16 @@ async def _one_request(
     return ttft, itl, received
 
 
-async def _client_loop(client: AsyncClient, rng: random.Random, k: int, max_tokens: int, prompt_len: int):
-    return [await _one_request(client, prompt(rng, prompt_len), max_tokens) for _ in range(k)]
+async def _client_loop(client: AsyncClient, rng: random.Random, k: int, max_tokens: int) -> list:
+    return [await _one_request(client, prompt(rng, PROMPT_LEN), max_tokens) for _ in range(k)]
 
 
-async def _run_level(
-    address: str, concurrency: int, k: int, max_tokens: int, seed: int, prompt_len: int = PROMPT_LEN
-) -> dict:
+async def _run_level(address: str, concurrency: int, k: int, max_tokens: int, seed: int) -> dict:
     async with AsyncClient(address, timeout=600.0) as client:
-        await _one_request(client, prompt(random.Random(-1), prompt_len), 2)  # warm-up
+        await _one_request(client, prompt(random.Random(-1), PROMPT_LEN), 2)  # warm-up
         rngs = [random.Random(seed * 1000 + c) for c in range(concurrency)]
         started = time.perf_counter()
-        loops = (_client_loop(client, r, k, max_tokens, prompt_len) for r in rngs)
-        per_client = await asyncio.gather(*loops)
+        per_client = await asyncio.gather(*(_client_loop(client, r, k, max_tokens) for r in rngs))
         wall = time.perf_counter() - started
     results = [r for rs in per_client for r in rs]
     ttfts = [r[0] for r in results]
@@ -77,16 +74,13 @@ async def _run_level(
 
 
 def run(quick: bool = False) -> dict:
-    # --quick is a smoke run: every concurrency level, with a short prompt (64 clients'
-    # prefills dominated it) and few tokens.
-    max_tokens, prompt_len = (4, 16) if quick else (32, PROMPT_LEN)
-    per_client = {1: 2 if quick else 16, 16: 1 if quick else 3, 64: 1 if quick else 2}
+    max_tokens = 8 if quick else 32
+    per_client = {1: 4 if quick else 16, 16: 1 if quick else 3, 64: 1 if quick else 2}
     config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)
-    res: dict = {"prompt_tokens": prompt_len, "max_tokens": max_tokens}
+    res: dict = {"prompt_tokens": PROMPT_LEN, "max_tokens": max_tokens}
     with ProcessStack(config) as stack:
         for level in CONCURRENCY:
-            args = (stack.address, level, per_client[level], max_tokens, level, prompt_len)
-            res.update(asyncio.run(_run_level(*args)))
+            res.update(asyncio.run(_run_level(stack.address, level, per_client[level], max_tokens, level)))
     return res
 
 

@@ -49,7 +49,7 @@ def _run_workload(worker: Worker, num_reqs: int, prompt_len: int, max_tokens: in
 
 
 def run(quick: bool = False) -> dict:
-    num_reqs, prompt_len, max_tokens, repeats = (6, 32, 32, 1) if quick else (12, 128, 128, 2)
+    num_reqs, prompt_len, max_tokens, repeats = (6, 64, 64, 1) if quick else (12, 128, 128, 2)
     blocks_per_req = math.ceil((prompt_len + max_tokens) / 16)
     pool_blocks = num_reqs * blocks_per_req // OVERSUBSCRIPTION
     small = Worker(WorkerConfig(num_blocks=pool_blocks + 1))  # + the null block

@@ -95,7 +95,7 @@ def plot(ttfts: dict, path: Path) -> None:
 
 
 def run(quick: bool = False, out_dir: Path | None = None) -> dict:
-    pairs, conversations, turns = (2, 2, 2) if quick else (10, 4, 5)
+    pairs, conversations, turns = (3, 2, 3) if quick else (10, 4, 5)
     config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)
     with ProcessStack(config) as stack:
         ttfts = asyncio.run(bench_ttft(stack, pairs))

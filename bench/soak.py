@@ -281,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[soak] {cfg.clients} clients, {cfg.seconds:.0f} s, profile {cfg.profile} on {stack.address}")
         result = asyncio.run(run_soak(stack.address, cfg))
         print(result.report())
-        if not result.ok:
+        if not result.ok:  # the services log at warning level: errors and tracebacks only
             for name in ("control", "worker"):
-                print(f"\n--- {name} log (tail) ---\n{stack.log_tail(name)}")
+                print(f"\n--- {name} log (tail) ---\n{stack.log_tail(name) or '(empty)'}")
     return 0 if result.ok else 1
 
 

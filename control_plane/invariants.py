@@ -67,6 +67,8 @@ def check_scheduler(sched) -> None:
                 f"{block}: ref count != table entries pointing at it ({refs.get(block.block_id, 0)})"
             )
     running = {s.seq_id for s in sched.running}
+    if sched.num_seats_taken() > sched.max_running:
+        raise AssertionError(f"{sched.num_seats_taken()} seats taken, max_num_seqs {sched.max_running}")
     for seq in sched.running:
         if seq.status != SeqStatus.RUNNING or sched.seqs.get(seq.seq_id) is not seq:
             raise AssertionError(f"running list holds {seq.status.name} sequence {seq.seq_id}")

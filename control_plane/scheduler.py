@@ -223,13 +223,13 @@ class Scheduler(SchedulerUpdate):
         return True
 
     def _schedule_waiting(self, plan: Plan, budget: int) -> None:
+        taken = self.num_seats_taken()
         while budget > 0:
             seq = self._peek_waiting()
             if seq is None:
                 return
-            req = seq.request
-            seats = req.sampling.n if (req.sampling.n > 1 and not req.forked) else 1
-            if len(self.running) + seats > self.max_running:
+            seats = _seats(seq)
+            if taken + seats > self.max_running:
                 return
             hits, num_hit = self.kv.get_computed_blocks(seq)
             num_new = min(seq.num_tokens - num_hit, budget)
@@ -250,6 +250,15 @@ class Scheduler(SchedulerUpdate):
             self._running_dirty = True
             self._emit(plan, seq, num_new, alloc)
             budget -= num_new
+            taken += seats
+
+    def num_seats_taken(self) -> int:
+        """Running sequences plus the samples that running n > 1 prompts will fork into.
+
+        Invariant: <= max_running (max_num_seqs). Counting only `len(running)` let a running
+        unforked n > 1 prompt's future samples go unreserved: 8 seats held 11 sequences once
+        it forked (found by the CI soak)."""
+        return sum(_seats(s) for s in self.running)
 
     def _emit(self, plan: Plan, seq: Sequence, num_new: int, alloc: Allocation) -> None:
         start = seq.num_computed_tokens
@@ -355,3 +364,9 @@ class Scheduler(SchedulerUpdate):
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.pool.reset_prefix_cache()
+
+
+def _seats(seq: Sequence) -> int:
+    """Seats a sequence holds: n for an n > 1 prompt that has not forked yet, else 1."""
+    req = seq.request
+    return req.sampling.n if (req.sampling.n > 1 and not req.forked) else 1

@@ -249,3 +249,21 @@ def test_stats_snapshot_accounts_blocks():
     assert abs(st.kv_usage - 3 / 31) < 1e-9
     table = engine.scheduler.block_tables("a")
     assert len(table) == 1 and len(table[0].block_ids) == 3 and table[0].num_tokens == 36
+
+
+def test_unforked_samples_are_reserved_so_max_num_seqs_holds():
+    """An n > 1 prompt holds n seats until it forks; while its long prompt was chunked over
+    several steps it counted as one, so 8 seats ran 11 sequences once it forked (found by the
+    CI soak; max_num_seqs is also the CUDA-graph batch bound)."""
+    engine, _ = make_engine(num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    engine.add_request("fan", list(range(1, 101)), SamplingParams(max_tokens=8, n=4, ignore_eos=True))
+    engine.step()  # the first chunk of the fan prompt: it runs, unforked
+    for i in range(7):
+        engine.add_request(f"r{i}", [i + 1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    peak = 0
+    while engine.scheduler.has_pending_work():
+        engine.step()
+        check_scheduler(engine.scheduler)
+        peak = max(peak, len(engine.scheduler.running))
+    assert peak == 8  # full, never over
+    check_all_free(engine.scheduler)
