@@ -23,7 +23,7 @@ from control_plane import api_codec
 from control_plane.engine_loop import AsyncEngine
 from control_plane.errors import EngineError, WorkerUnavailableError
 from control_plane.limits import MAX_ENGINE_MESSAGE_BYTES, check_request_id, short
-from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind, set_serving
+from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_and_start, set_serving
 from pagedkv.logs import get_logger
 from pagedkv.security import ServerSecurity
 from pagedkv.service_registry import add_service
@@ -158,8 +158,7 @@ async def create_server(
         task.add_done_callback(tasks.discard)
 
     engine.add_availability_listener(on_availability)
-    bound, _ = bind(server, address, security.credentials)
-    await server.start()
+    bound = await bind_and_start(server, address, security.credentials)
     engine.start()
     return server, bound
 

@@ -108,6 +108,21 @@ def bind(
     return f"{host}:{port}", port
 
 
+async def bind_and_start(
+    server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None
+) -> str:
+    """`bind`, then start. A server that cannot bind is stopped before the error propagates:
+    an unstarted grpc.aio server left to the garbage collector shuts itself down on whatever
+    event loop runs then, which once hung a later test's teardown."""
+    try:
+        bound, _ = bind(server, address, credentials)
+    except RuntimeError:
+        await server.stop(None)
+        raise
+    await server.start()
+    return bound
+
+
 def _socket_answers(path: str) -> bool:
     """True if a process accepts connections on the Unix socket at `path`."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

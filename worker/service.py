@@ -28,7 +28,7 @@ import grpc
 
 from control_plane.plan import Plan, StepResult, WorkerInfo
 from control_plane.plan_codec import decode_plan, encode_result, encode_worker_info
-from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind, set_serving
+from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_and_start, set_serving
 from pagedkv.logs import get_logger
 from pagedkv.security import ServerSecurity
 from pagedkv.service_registry import add_service
@@ -227,6 +227,5 @@ async def create_worker_server(
     health = add_health_and_reflection(server, [SERVICE_NAME])
     servicer.attach_health(health)
     await set_serving(health, [SERVICE_NAME], servicer.ready)
-    bound, _ = bind(server, address, security.credentials)
-    await server.start()
+    bound = await bind_and_start(server, address, security.credentials)
     return server, bound
