@@ -61,12 +61,13 @@ def test_worker_executes_a_chain_in_list_order(checkpoint):
 
 # Found by searching random workloads: on a 12-block pool these fork (n > 1), copy on write
 # and preempt so that one step's plan reads a block and then reuses it as a copy destination.
+# (Searched again when n > 1 prompts began to reserve their seats: 327 of 5,000 workloads.)
 CHAIN_WORKLOAD = [  # (prompt, max_tokens, n)
-    ([6, 3, 7, 0, 6], 12, 3),
-    ([3, 3, 0, 4, 4], 7, 3),
-    ([4, 0, 3], 11, 2),
-    ([2], 14, 3),
-    ([0, 7, 7, 4, 3, 4, 5, 4, 6, 1, 5], 9, 2),
+    ([6, 0, 2, 2, 3, 4, 5], 5, 1),
+    ([6, 2, 7, 1, 2, 5, 6, 0], 14, 2),
+    ([7, 0, 1, 7, 2, 0, 0], 14, 3),
+    ([5, 1, 5], 8, 2),
+    ([1, 0, 7, 5, 1, 4, 2, 6], 9, 3),
 ]
 
 
