@@ -115,6 +115,7 @@ class AsyncEngine(EngineRequests):
         self._step_started: float | None = None  # monotonic start of the step in flight
         self._overrun = False  # that step has run past options.step_liveness_s
         self._stream_lost = False  # the worker's plan stream ended between steps
+        self._stopping = False
         self.num_worker_losses = 0
         self.num_generation_tokens = 0  # tokens sampled for clients since start (all samples)
         self._observer: EngineObserver | None = None
@@ -132,11 +133,14 @@ class AsyncEngine(EngineRequests):
             self._watchdog.cancel()
             self._watchdog = None
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            # Cancel until it ends: Python 3.11's asyncio.wait_for can swallow a cancellation
+            # that races with its inner await finishing, and the loop then idled forever (a
+            # shutdown hang seen in full test runs). `_stopping` makes the loop exit as well.
+            self._stopping = True
+            task = self._task
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.1)
             self._task = None
         self._fail_all(WorkerUnavailableError("the server is shutting down; retry on another replica"))
         await self.worker.close()
@@ -182,7 +186,7 @@ class AsyncEngine(EngineRequests):
 
     # -- the loop ---------------------------------------------------------------------------
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             if not self._connected:
                 await self._connect()
             try:
@@ -248,7 +252,7 @@ class AsyncEngine(EngineRequests):
 
     async def _steps(self) -> None:
         sched = self.scheduler
-        while True:
+        while not self._stopping:
             if self._stream_lost:
                 self._stream_lost = False
                 lost = WorkerUnavailableError(f"worker at {self.worker.target} closed its plan stream")

@@ -326,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args) -> int:
+    if args.command in ("worker", "control"):
+        from pagedkv.supervisor import die_with_parent
+
+        die_with_parent()
     if args.command == "worker":
         from pagedkv.processes import run_worker
 

@@ -15,6 +15,7 @@ A worker is only restarted once it has been ready: a worker that dies during the
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -25,11 +26,25 @@ from dataclasses import dataclass
 STOP_TIMEOUT_S = 15.0
 
 
-def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
+# Children get SIGTERM when the supervisor dies (Linux parent-death signal), so they are never
+# orphaned. The child sets it itself at start-up (`die_with_parent`), not a `preexec_fn`:
+# Python code between fork and exec in a process with gRPC threads (serve's readiness client)
+# can crash the child; it did, with SIGSEGV, in a full test run.
+PARENT_PID_ENV = "PAGEDKV_SUPERVISOR_PID"
+
+
+def die_with_parent() -> None:
+    """Called first by `pagedkv worker` / `control`: when started by a supervisor (its pid in
+    PARENT_PID_ENV), ask for SIGTERM on its death, and exit now if it has already died."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is None:
+        return
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != int(parent):  # it died before the prctl: nobody will signal us
+        raise SystemExit(f"the supervisor (pid {parent}) is gone; exiting")
 
 
 def describe_exit(code: int) -> str:
@@ -94,7 +109,8 @@ class Supervisor:
             self._start(name)
 
     def _start(self, name: str) -> None:
-        self.procs[name] = subprocess.Popen(self.cmds[name], preexec_fn=_set_parent_death_signal)
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+        self.procs[name] = subprocess.Popen(self.cmds[name], env=env)
         self.started_at[name] = time.monotonic()
 
     def first_exited(self) -> tuple[str, int] | None:

@@ -58,7 +58,25 @@ class Stack:
     # -- running things on the loop thread ---------------------------------------------------
     def call(self, coro, timeout: float = TIMEOUT_S):
         fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return fut.result(timeout)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"hung on the loop thread; its tasks:\n{self._task_stacks()}") from None
+
+    def _task_stacks(self) -> str:
+        """Where every task of the loop waits (a hang's diagnosis; read without locking)."""
+        lines = []
+        for task in list(asyncio.all_tasks(self.loop)):
+            lines.append(f"{task.get_name()}: {task.get_coro()!r}")
+            coro = task.get_coro()
+            while coro is not None:  # the await chain, outermost first
+                frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+                if frame is not None:
+                    lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+                else:
+                    lines.append(f"  {coro!r}")
+                coro = getattr(coro, "cr_await", None)
+        return "\n".join(lines)
 
     def on_loop(self, fn: Callable[[], object]):
         """Run a plain function on the loop thread (engine state is only touched there)."""
