@@ -53,8 +53,24 @@ async def _refuse(context, request: MalformedRequest) -> None:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
 
 
+def checks_malformed(method):
+    """Mark a servicer method that handles `MalformedRequest` itself (see `refuse_malformed`):
+    it is registered as is, with no wrapper. For hot streams: each wrapper layer costs an
+    async-generator hop per message (ExecuteStream carries every step's plan)."""
+    method.checks_malformed = True
+    return method
+
+
+async def refuse_malformed(context, request) -> None:
+    """For `checks_malformed` methods: answer INVALID_ARGUMENT if `request` did not parse."""
+    if type(request) is MalformedRequest:
+        await _refuse(context, request)
+
+
 def _guard(behavior, client_streaming: bool, server_streaming: bool):
     """`behavior` with malformed requests answered INVALID_ARGUMENT before it runs."""
+    if getattr(behavior, "checks_malformed", False):
+        return behavior
     if client_streaming:
 
         async def checked(requests, context):

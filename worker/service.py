@@ -31,7 +31,7 @@ from control_plane.plan_codec import decode_plan, encode_result, encode_worker_i
 from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_and_start, set_serving
 from pagedkv.logs import get_logger
 from pagedkv.security import ServerSecurity
-from pagedkv.service_registry import add_service
+from pagedkv.service_registry import add_service, checks_malformed, refuse_malformed
 from pagedkv.v1 import worker_pb2, worker_pb2_grpc
 from worker.owner_lease import OWNER_METADATA_KEY, LeaseHeldError, OwnerLease
 
@@ -138,6 +138,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Execute(self, request, context):
         return await self._execute_one(request, context)
 
+    @checks_malformed  # in _execute_one: no wrapper layer on the per-step stream
     async def ExecuteStream(self, request_iterator, context):
         # An abort inside _execute_one raises out of this generator: the status ends the stream.
         # An open stream holds its control plane's lease (worker/owner_lease.py).
@@ -154,6 +155,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.StepResult:
         """One plan, whichever RPC carried it: owner and instance checks, decode, the step
         thread, encode."""
+        await refuse_malformed(context, request)
         worker = await self._require_worker(context)
         try:
             self.lease.check(_owner_of(context) if owner is None else owner)
