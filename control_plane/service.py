@@ -26,7 +26,7 @@ from control_plane.limits import MAX_ENGINE_MESSAGE_BYTES, check_request_id, sho
 from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_and_start, set_serving
 from pagedkv.logs import get_logger
 from pagedkv.security import ServerSecurity
-from pagedkv.service_registry import add_service
+from pagedkv.service_registry import add_service, checks_malformed, refuse_malformed
 from pagedkv.v1 import engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -66,7 +66,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
+    @checks_malformed  # no wrapper layer on the stream: one hop per token message saved
     async def Generate(self, request, context):
+        await refuse_malformed(context, request)
         engine = self.engine
         try:
             token_ids, text, sampling = api_codec.decode_generate(request)
