@@ -61,6 +61,8 @@ class AsyncWorker(Protocol):
 
     async def reset(self, timeout: float | None = None) -> str: ...
 
+    def hold_lease(self, on_lost: Callable[[], None]) -> None: ...
+
     async def close(self) -> None: ...
 
 
@@ -214,9 +216,7 @@ class AsyncEngine(EngineRequests):
                     report("worker.waiting", worker=self.worker.target, error=str(e), attempt=attempt)
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_delay)
-        hold_lease = getattr(self.worker, "hold_lease", None)
-        if hold_lease is not None:
-            hold_lease(self._on_worker_stream_lost)
+        self.worker.hold_lease(self._on_worker_stream_lost)
         self._attach(info)
 
     def _on_worker_stream_lost(self) -> None:

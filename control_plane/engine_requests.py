@@ -47,25 +47,23 @@ class EngineRequests:
         cache_salt: str = "",
     ) -> RequestStream:
         """Admit a request; raises an EngineError (mapped to a gRPC status by the service).
-        Sizes are checked (control_plane.limits) before tokenizing or scanning the prompt."""
+        Field sizes were checked where the request was decoded (api_codec); the text's length
+        is checked here before tokenizing, the prompt's by the scheduler before scanning it."""
         self._require_available()
         if (prompt_token_ids is None) == (text is None):
             raise InvalidRequestError("send exactly one of `text` and `token_ids`")
-        limits.check_fields(request_id, cache_salt, sampling.stop, sampling.stop_token_ids)
-        max_len = self.scheduler.max_model_len
         if text is not None:
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer on the server; send `token_ids`")
-            limits.check_prompt_size(None, len(text), max_len)
+            limits.check_text_size(len(text), self.scheduler.max_model_len)
             prompt_token_ids = await self._tokenize(text)
             if not prompt_token_ids:
                 raise InvalidRequestError("the prompt text is empty; send at least one character")
             self._require_available()  # the worker may have gone while we tokenized
         if sampling.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a server-side tokenizer; use stop_token_ids")
-        limits.check_prompt_size(len(prompt_token_ids), None, max_len)
         request_id = request_id or uuid.uuid4().hex
-        self.scheduler.add_request(request_id, list(prompt_token_ids), sampling, priority, cache_salt)
+        self.scheduler.add_request(request_id, prompt_token_ids, sampling, priority, cache_salt)
         stream = RequestStream(request_id, sampling.n, self.tokenizer, sampling.stop)
         self._streams[request_id] = stream
         self._work.set()

@@ -12,7 +12,7 @@ message limit, failing every live request. The limits are documented in engine.p
     cache_salt         1024 characters                         api_codec
     stop               16 strings of 1..256 characters         api_codec
     stop_token_ids     256 ids, each in [0, vocab_size)        api_codec (count), scheduler (vocab)
-    token_ids          max_model_len ids                       AsyncEngine.submit, before the vocab scan
+    token_ids          max_model_len - max_tokens ids          Scheduler._validate, before the vocab scan
     text               max_model_len x 64 characters           AsyncEngine.submit, before tokenizing
     whole message      16 MiB (gRPC, RESOURCE_EXHAUSTED)       the Engine server's receive limit
 """
@@ -63,15 +63,10 @@ def check_fields(request_id: str, cache_salt: str, stop: tuple[str, ...], stop_t
         raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(stop_token_ids)}")
 
 
-def check_prompt_size(num_tokens: int | None, num_chars: int | None, max_model_len: int) -> None:
-    """Before tokenizing or scanning: a prompt that cannot fit the model is refused cheaply."""
-    if num_tokens is not None and num_tokens >= max_model_len:
-        raise InvalidRequestError(
-            f"the prompt has {num_tokens} tokens but the model's max length is {max_model_len} "
-            "(prompt + at least one generated token); shorten the prompt"
-        )
+def check_text_size(num_chars: int, max_model_len: int) -> None:
+    """Before tokenizing: a text that cannot fit the model is refused without the work."""
     limit = max_model_len * MAX_CHARS_PER_TOKEN
-    if num_chars is not None and num_chars > limit:
+    if num_chars > limit:
         raise InvalidRequestError(
             f"the prompt text has {num_chars} characters; at most {limit} are accepted "
             f"({MAX_CHARS_PER_TOKEN} per token of the model's max length {max_model_len})"

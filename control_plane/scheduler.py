@@ -20,6 +20,7 @@ A higher-priority arrival does not preempt running work (it goes first in the qu
 from __future__ import annotations
 
 import heapq
+from collections.abc import Collection
 
 from control_plane.block_hash import extra_keys as make_extra_keys
 from control_plane.errors import (
@@ -74,7 +75,7 @@ class Scheduler(SchedulerUpdate):
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Collection[int],
         sampling: SamplingParams,
         priority: int = 0,
         cache_salt: str = "",
@@ -104,16 +105,11 @@ class Scheduler(SchedulerUpdate):
         self._enqueue(self._new_sequence(req, 0, list(prompt_token_ids)))
         return req
 
-    def _validate(self, prompt: list[int], sampling: SamplingParams) -> None:
+    def _validate(self, prompt: Collection[int], sampling: SamplingParams) -> None:
+        """O(1) checks first: a prompt longer than the model is refused before it is scanned
+        (it may be a client's multi-megabyte token list; control_plane.limits)."""
         if not prompt:
             raise InvalidRequestError("the prompt is empty; send at least one token")
-        vocab = self.info.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
         try:
             sampling.validate(self.config.max_n)
         except ValueError as e:
@@ -123,6 +119,13 @@ class Scheduler(SchedulerUpdate):
                 f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
                 f"max length {self.max_model_len}; shorten the prompt or lower max_tokens"
             )
+        vocab = self.info.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
         if sampling.n > self.max_running:
             raise InvalidRequestError(
                 f"n={sampling.n} exceeds the {self.max_running} sequences that can "

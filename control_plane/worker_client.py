@@ -196,7 +196,7 @@ class WorkerClient:
         self._take_over = False
         return msg.instance_id
 
-    def hold_lease(self, on_lost: Callable[[], None] | None = None) -> None:
+    def hold_lease(self, on_lost: Callable[[], None]) -> None:
         """Open the plan stream now, before the first plan: while it is open the worker's owner
         lease stays ours, however long the engine idles. `on_lost()` is called when a stream
         ends by itself between plans (the worker died or stopped): an idle engine learns of

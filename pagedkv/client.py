@@ -145,8 +145,12 @@ def collect(messages, completions: dict[int, Completion]) -> None:
             c.usage = m.usage
 
 
-class Client:
-    """Blocking client. Thread-safe (one channel, many concurrent calls)."""
+class _EngineChannel:
+    """What both clients share: the target, the default timeout and one channel (blocking or
+    asyncio, per `_aio`) with TLS / mTLS / bearer token as asked (see the module docstring;
+    plaintext, no token by default)."""
+
+    _aio = False
 
     def __init__(
         self,
@@ -162,16 +166,20 @@ class Client:
         auth_token_file: str | None = None,
         security: ClientSecurity | None = None,
     ) -> None:
-        """TLS / mTLS / bearer token: see the module docstring (plaintext, no token by default)."""
         self.target = resolve_target(target)
         self.timeout = timeout
         sec = security or ClientSecurity.from_files(
             tls_ca, tls_cert, tls_key, tls_server_name, auth_token_file, auth_token=auth_token
         )
         self._metadata = sec.metadata
-        self._channel = sec.channel(self.target, _channel_options(options))
+        make = sec.aio_channel if self._aio else sec.channel
+        self._channel = make(self.target, _channel_options(options))
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+
+
+class Client(_EngineChannel):
+    """Blocking client. Thread-safe (one channel, many concurrent calls)."""
 
     def __enter__(self) -> Client:
         return self
@@ -247,32 +255,10 @@ class Client:
         raise TimeoutError(f"{self.target} not SERVING after {timeout:.0f}s (last: {last})")
 
 
-class AsyncClient:
+class AsyncClient(_EngineChannel):
     """asyncio client with the same methods as `Client` (awaitables / async iterators)."""
 
-    def __init__(
-        self,
-        target: str | Sequence[str] = DEFAULT_TARGET,
-        *,
-        timeout: float | None = None,
-        options=None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        tls_server_name: str | None = None,
-        auth_token: str | None = None,
-        auth_token_file: str | None = None,
-        security: ClientSecurity | None = None,
-    ) -> None:
-        self.target = resolve_target(target)
-        self.timeout = timeout
-        sec = security or ClientSecurity.from_files(
-            tls_ca, tls_cert, tls_key, tls_server_name, auth_token_file, auth_token=auth_token
-        )
-        self._metadata = sec.metadata
-        self._channel = sec.aio_channel(self.target, _channel_options(options))
-        self._stub = engine_pb2_grpc.EngineStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+    _aio = True
 
     async def __aenter__(self) -> AsyncClient:
         return self

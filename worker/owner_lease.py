@@ -24,8 +24,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from pagedkv.grpc_util import OWNER_METADATA_KEY  # noqa: F401 -- re-exported for the servicer
-
 
 class LeaseHeldError(Exception):
     """Another control plane holds the lease (maps to FAILED_PRECONDITION)."""

@@ -28,12 +28,18 @@ import grpc
 
 from control_plane.plan import Plan, StepResult, WorkerInfo
 from control_plane.plan_codec import decode_plan, encode_result, encode_worker_info
-from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_and_start, set_serving
+from pagedkv.grpc_util import (
+    OWNER_METADATA_KEY,
+    SERVER_OPTIONS,
+    add_health_and_reflection,
+    bind_and_start,
+    set_serving,
+)
 from pagedkv.logs import get_logger
 from pagedkv.security import ServerSecurity
 from pagedkv.service_registry import add_service, checks_malformed, refuse_malformed
 from pagedkv.v1 import worker_pb2, worker_pb2_grpc
-from worker.owner_lease import OWNER_METADATA_KEY, LeaseHeldError, OwnerLease
+from worker.owner_lease import LeaseHeldError, OwnerLease
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 log = get_logger("pagedkv.worker")
