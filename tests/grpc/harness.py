@@ -135,3 +135,21 @@ class Stack:
             self._thread.join(5)
             self.loop.close()
             shutil.rmtree(self._sockdir, ignore_errors=True)
+
+
+def in_thread(call: Callable[[], object]) -> tuple[threading.Thread, dict]:
+    """Run a blocking client call beside the test: (started thread, box); once joined, the
+    box holds "result", or "error" if the call raised ClientError."""
+    from pagedkv.client import ClientError
+
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = call()
+        except ClientError as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, box

@@ -4,7 +4,7 @@ status, and a second server cannot share a busy address. Against the served stac
 from __future__ import annotations
 
 import asyncio
-import threading
+import time
 
 import grpc
 import pytest
@@ -17,6 +17,7 @@ from control_plane.sim_worker import reference_tokens
 from pagedkv.client import ClientError
 from pagedkv.logs import _escape_control_characters
 from tests.grpc.conftest import VOCAB, ScriptedWorker
+from tests.grpc.harness import in_thread
 from worker.service import WorkerServicer, create_worker_server
 
 PROMPT = list(range(1, 30))
@@ -31,17 +32,7 @@ def _code(call) -> str:
 
 def _victim(stack, max_tokens: int = 40):
     """A stream that must finish unharmed while the bad requests arrive."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["c"] = stack.client.complete(token_ids=PROMPT, max_tokens=max_tokens, n=2)
-        except ClientError as e:
-            box["error"] = e
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, box
+    return in_thread(lambda: stack.client.complete(token_ids=PROMPT, max_tokens=max_tokens, n=2))
 
 
 def test_oversized_fields_are_refused_and_a_concurrent_stream_is_unharmed(make_stack):
@@ -63,7 +54,7 @@ def test_oversized_fields_are_refused_and_a_concurrent_stream_is_unharmed(make_s
     assert _code(lambda: c.complete(token_ids=[1] * 5000, max_tokens=4)) == "INVALID_ARGUMENT"
     thread.join(60)
     assert "error" not in box, box.get("error")
-    assert [x.token_ids for x in box["c"]][0] == reference_tokens(PROMPT, 0, 40, VOCAB)
+    assert [x.token_ids for x in box["result"]][0] == reference_tokens(PROMPT, 0, 40, VOCAB)
     # The most a request may carry still runs, and every block comes back.
     stops = [VOCAB - 1 - i for i in range(MAX_STOP_TOKEN_IDS)]
     out = c.complete(token_ids=PROMPT, max_tokens=4, n=3, stop_token_ids=stops, ignore_eos=True)
@@ -176,10 +167,7 @@ def test_a_step_past_the_liveness_bound_turns_health_not_serving(make_stack):
     stack = make_stack(options=EngineOptions(step_liveness_s=0.2))
     stack.worker.gate.clear()  # the worker hangs in the next step
     thread, box = _victim(stack, max_tokens=3)
-    deadline = 60
-    import time
-
-    end = time.monotonic() + deadline
+    end = time.monotonic() + 60  # hang guard
     while stack.client.health() != "NOT_SERVING":
         assert time.monotonic() < end, "health never reported the overrunning step"
         time.sleep(0.02)

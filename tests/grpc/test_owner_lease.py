@@ -3,16 +3,16 @@ the first one's live requests. The worker's owner lease refuses it unless it tak
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from control_plane.engine_loop import AsyncEngine, EngineOptions
 from control_plane.errors import WorkerUnavailableError
+from control_plane.plan import Plan, SamplingParams
 from control_plane.sim_worker import reference_tokens
 from control_plane.worker_client import WorkerClient, WorkerOwnedError, WorkerRestartedError
 from pagedkv.client import ClientError
 from tests.grpc.conftest import VOCAB
+from tests.grpc.harness import in_thread
 from worker.owner_lease import LeaseHeldError, OwnerLease
 
 PROMPT = list(range(1, 30))
@@ -63,11 +63,7 @@ def _second_control_plane(stack, take_over: bool):
 
 def test_a_second_control_plane_is_refused_and_the_first_keeps_serving(make_stack):
     stack = make_stack(worker={"delay_s": 0.01})
-    box = {}
-    stream = threading.Thread(
-        target=lambda: box.update(c=stack.client.complete(token_ids=PROMPT, max_tokens=40))
-    )
-    stream.start()
+    stream, box = in_thread(lambda: stack.client.complete(token_ids=PROMPT, max_tokens=40))
 
     async def try_reset():
         client = WorkerClient(stack.worker_address)
@@ -81,7 +77,7 @@ def test_a_second_control_plane_is_refused_and_the_first_keeps_serving(make_stac
     intruder = _second_control_plane(stack, take_over=False)
     try:
         stream.join(60)
-        (c,) = box["c"]
+        (c,) = box["result"]
         assert c.token_ids == reference_tokens(PROMPT, 0, 40, VOCAB)  # unharmed
         assert not intruder.available
         (c,) = stack.client.complete(token_ids=PROMPT, max_tokens=4)  # and still serving
@@ -101,7 +97,7 @@ def test_take_over_replaces_the_first_control_plane(make_stack):
         assert refused.value.code.name == "UNAVAILABLE"
 
         async def generate():
-            stream = await successor.submit(PROMPT, None, stack_sampling(4))
+            stream = await successor.submit(PROMPT, None, SamplingParams(max_tokens=4))
             tokens = []
             while not stream.drained():
                 for chunk in await stream.next():
@@ -113,19 +109,11 @@ def test_take_over_replaces_the_first_control_plane(make_stack):
         stack.call(successor.stop())
 
 
-def stack_sampling(max_tokens: int):
-    from control_plane.plan import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens)
-
-
 def test_plans_from_a_non_owner_are_refused(make_stack):
     stack = make_stack()
     stack.client.complete(token_ids=PROMPT, max_tokens=2)  # the stack's control plane attached
 
     async def foreign_plan():
-        from control_plane.plan import Plan
-
         client = WorkerClient(stack.worker_address)
         try:
             await client.execute(Plan(step_id=1))

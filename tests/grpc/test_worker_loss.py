@@ -6,7 +6,6 @@ both leave the pool all-free once the affected requests ended, and the next requ
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
@@ -16,6 +15,7 @@ from control_plane.engine_loop import EngineOptions
 from control_plane.sim_worker import reference_tokens
 from pagedkv.client import ClientError
 from tests.grpc.conftest import VOCAB
+from tests.grpc.harness import in_thread
 from worker.errors import PlanError
 
 PROMPT = list(range(1, 30))
@@ -38,17 +38,7 @@ def _assert_recovered(stack) -> None:
 
 
 def _stream_in_thread(stack, **kw):
-    box: dict = {}
-
-    def run():
-        try:
-            box["msgs"] = list(stack.client.generate(token_ids=PROMPT, **kw))
-        except ClientError as e:
-            box["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t, box
+    return in_thread(lambda: list(stack.client.generate(token_ids=PROMPT, **kw)))
 
 
 def test_worker_down_gives_unavailable_then_recovers(make_stack):
@@ -91,7 +81,7 @@ def test_worker_restart_within_grace_is_transparent(make_stack):
     stack.restart_worker()  # a new instance: mirrors gone, the request is recomputed
     t.join(20)
     assert "error" not in box, box
-    tokens = [tok for m in box["msgs"] for tok in m.token_ids]
+    tokens = [tok for m in box["result"] for tok in m.token_ids]
     assert tokens == reference_tokens(PROMPT, 0, 80, VOCAB)
     s = stack.wait_idle()
     assert s.num_preemptions >= 1
