@@ -174,10 +174,10 @@ def _wait_ready(sup: Supervisor, ready_file: Path, security=None) -> str | None:
     return None
 
 
-def _banner(address: str, args, metrics_url: str | None) -> str:
+def _banner(address: str, args, metrics_url: str | None, security) -> str:
     from pagedkv.client import Client
 
-    with Client(address, security=own_client_security(args)) as c:
+    with Client(address, security=security) as c:
         info = c.model_info(timeout=5.0)
     cli, curl = security_hints(args)
     server = f"--server {address}" + (f" {cli}" if cli else "")
@@ -233,7 +233,7 @@ def run_serve(args) -> int:
         if address is None:
             return _finish(sup, "did not become ready")
         metrics_url = json.loads(ready_file.read_text()).get("metrics_url")
-        print(_banner(address, args, metrics_url), flush=True)
+        print(_banner(address, args, metrics_url, security), flush=True)
         return sup.watch()
     finally:
         sup.stop_all()

@@ -25,6 +25,7 @@ from control_plane.scheduler_config import SchedulerConfig
 from control_plane.sim_worker import reference_tokens
 from control_plane.worker_client import WorkerClient, WorkerRestartedError, WorkerStepError
 from pagedkv.grpc_util import OWNER_METADATA_KEY
+from pagedkv.service_registry import checks_malformed
 from pagedkv.v1 import worker_pb2_grpc
 from tests.grpc.conftest import VOCAB, ScriptedWorker
 from worker.service import WorkerServicer, create_worker_server
@@ -39,6 +40,7 @@ class CountingServicer(WorkerServicer):
 
     streams_opened = 0
 
+    @checks_malformed  # super().ExecuteStream checks each plan
     async def ExecuteStream(self, request_iterator, context):
         self.streams_opened += 1
         async for result in super().ExecuteStream(request_iterator, context):
