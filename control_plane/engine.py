@@ -2,6 +2,10 @@
 
 Used by tests, benchmarks and the single-process demo; the gRPC control plane runs the same
 schedule -> execute -> update cycle over a remote worker.
+
+`overlap=True` replays the served engine's overlap order of calls with a synchronous worker:
+plan k+1 is scheduled and executed before step k's result is applied (the worker's own
+order is unchanged), so a differential test can compare both loops on one scheduler.
 """
 
 from __future__ import annotations
@@ -26,9 +30,16 @@ class WorkerLike(Protocol):
 
 class EngineCore:
     def __init__(
-        self, worker: WorkerLike, config: SchedulerConfig | None = None, check_invariants: bool | None = None
+        self,
+        worker: WorkerLike,
+        config: SchedulerConfig | None = None,
+        check_invariants: bool | None = None,
+        *,
+        overlap: bool = False,
     ) -> None:
         self.worker = worker
+        self.overlap = overlap
+        self._in_flight: tuple[Plan, StepResult] | None = None  # overlap: executed, not applied
         self.scheduler = Scheduler(config or SchedulerConfig(), worker.describe())
         if check_invariants is None:
             check_invariants = os.environ.get("PAGEDKV_CHECK_INVARIANTS", "") == "1"
@@ -47,25 +58,40 @@ class EngineCore:
         )
 
     def step(self) -> list[RequestOutput]:
+        """One step: schedule and execute a plan, and apply a result (with overlap: the
+        previous step's; the new one waits in flight). Outputs of the result applied."""
         sched = self.scheduler
+        if self.overlap and self._in_flight is not None and not sched.has_pending_work():
+            return self._apply(*self._take_in_flight())  # drain: nothing left to plan
         plan = sched.schedule()
         if self.check_invariants:
             check_plan(sched, plan)
             check_scheduler(sched)
-        if plan.is_empty():
-            return sched.update(plan, StepResult(plan.step_id))
-        result = self.worker.execute(plan)
-        outputs = sched.update(plan, result)
+        result = StepResult(plan.step_id) if plan.is_empty() else self.worker.execute(plan)
+        if not self.overlap:
+            return self._apply(plan, result)
+        previous, self._in_flight = self._in_flight, (plan, result)
+        return self._apply(*previous) if previous is not None else []
+
+    def _take_in_flight(self) -> tuple[Plan, StepResult]:
+        in_flight, self._in_flight = self._in_flight, None
+        return in_flight
+
+    def _apply(self, plan: Plan, result: StepResult) -> list[RequestOutput]:
+        outputs = self.scheduler.update(plan, result)
         if self.check_invariants:
-            check_scheduler(sched)
+            check_scheduler(self.scheduler)
         return outputs
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_pending_work() or self._in_flight is not None
 
     def run_to_completion(self, max_steps: int = 100_000) -> dict[tuple[str, int], list[int]]:
         """Step until every request ended; returns generated tokens per (request id, index)."""
         tokens: dict[tuple[str, int], list[int]] = {}
         self.finish_reasons: dict[tuple[str, int], object] = {}
         for _ in range(max_steps):
-            if not self.scheduler.has_pending_work():
+            if not self.has_work():
                 return tokens
             for out in self.step():
                 tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)

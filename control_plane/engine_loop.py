@@ -4,9 +4,17 @@
     Abort / cancel   ──abort()───▶    │         │ update(plan, result)
                                    schedule()   │
                                       ▼         │
-                                    Plan ──await worker.execute()──▶ StepResult
+                                    Plan ──worker.send() ... worker.receive()──▶ StepResult
                                                                        │
                     RequestStream queues ◀── text, stop strings ◀──────┘
+
+Overlap scheduling (the default; `EngineOptions.overlap`, `--no-overlap`): the loop keeps two
+plans in flight. When result k arrives it runs `update(k)`, then plans and sends step k+2
+-- the worker is busy with k+1 meanwhile -- and only then streams step k's tokens (text,
+stop strings). A decode whose last token is still on its way is planned with
+`feed_last_sample` (control_plane.plan); stops are therefore found one step late and the
+extra token is dropped in `update` (control_plane.scheduler_update). `--no-overlap` keeps
+one plan in flight and streams before planning: the strict loop, for comparison and debugging.
 
 Concurrency model: a single event loop thread. Only the loop task calls `schedule`, `update`
 and `on_worker_lost`; handlers call `add_request` / `abort_request` at await points, i.e.
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -46,7 +55,7 @@ from control_plane.scheduler import Scheduler
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.stats import SequenceTable, StatsSnapshot
 from control_plane.tokenizer import Tokenizer, make_tokenizer
-from control_plane.worker_client import WorkerOwnedError, WorkerStepError
+from control_plane.worker_client import WorkerOwnedError
 from pagedkv.logs import get_logger
 
 log = get_logger("pagedkv.control")
@@ -58,6 +67,10 @@ class AsyncWorker(Protocol):
     async def describe(self, timeout: float | None = None) -> WorkerInfo: ...
 
     async def execute(self, plan: Plan, expected_instance_id: str = "") -> StepResult: ...
+
+    async def send(self, plan: Plan, expected_instance_id: str = "") -> None: ...
+
+    async def receive(self) -> StepResult: ...
 
     async def reset(self, timeout: float | None = None) -> str: ...
 
@@ -83,6 +96,7 @@ class EngineOptions:
     # A step in flight longer than this turns health NOT_SERVING (and refuses new requests)
     # until it completes: a wedged worker is visible to probes long before the step timeout.
     step_liveness_s: float = 30.0
+    overlap: bool = True  # plan step k+1 while step k runs (two plans in flight); see above
 
 
 class _StepFailed(Exception):
@@ -252,38 +266,70 @@ class AsyncEngine(EngineRequests):
 
     async def _steps(self) -> None:
         sched = self.scheduler
+        overlap = self.options.overlap
+        in_flight: deque[tuple[Plan, float]] = deque()  # (plan, sent at): lost with any failure
+        last_result_at = 0.0
         while not self._stopping:
-            if self._stream_lost:
+            if self._stream_lost and not in_flight:
                 self._stream_lost = False
                 lost = WorkerUnavailableError(f"worker at {self.worker.target} closed its plan stream")
                 raise _StepFailed(lost, lost=True)
-            if not sched.has_pending_work():
-                self._work.clear()
-                await self._work.wait()
+            await self._plan_ahead(in_flight, 2 if overlap else 1)
+            if not in_flight:
+                await self._wait_for_work(sched.has_pending_work())
                 continue
-            plan = sched.schedule()
-            if plan.is_empty():
-                self._dispatch(sched.update(plan, StepResult(plan.step_id)))
-                # Nothing runnable although requests wait (rare): wait for an add/abort, bounded.
-                self._work.clear()
-                try:
-                    await asyncio.wait_for(self._work.wait(), 0.05)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            started = time.perf_counter()
-            self._step_started = time.monotonic()
-            try:
-                result = await self.worker.execute(plan, self.info.instance_id)
-            except WorkerUnavailableError as e:
-                raise _StepFailed(e, lost=True) from None
-            except WorkerStepError as e:
-                raise _StepFailed(e, lost=False) from None
-            finally:
-                self._end_step()
+            plan, sent_at = in_flight.popleft()
+            result = await self._receive(bool(in_flight))
             if self._observer is not None:
-                self._observer.on_step(time.perf_counter() - started)
-            self._dispatch(sched.update(plan, result))
+                now = time.perf_counter()
+                self._observer.on_step(now - max(sent_at, last_result_at))
+                last_result_at = now
+            outputs = sched.update(plan, result)
+            try:
+                if overlap:  # the worker gets step k+2 before step k's tokens are streamed
+                    await self._plan_ahead(in_flight, 2)
+            finally:  # even if that send failed: these tokens are in the sequences already
+                self._dispatch(outputs)
+
+    async def _plan_ahead(self, in_flight: deque[tuple[Plan, float]], depth: int) -> None:
+        """Schedule and send plans until `depth` are in flight or nothing is runnable."""
+        sched = self.scheduler
+        while len(in_flight) < depth and sched.has_pending_work() and not self._stopping:
+            plan = sched.schedule()
+            if plan.is_empty():  # nothing runnable now; outputs of sequences ended while planning
+                self._dispatch(sched.update(plan, StepResult(plan.step_id)))
+                return
+            if not in_flight:
+                self._step_started = time.monotonic()
+            sent_at = time.perf_counter()
+            try:
+                await self.worker.send(plan, self.info.instance_id)
+            except EngineError as e:
+                self._end_step()
+                raise _failure(e) from None
+            in_flight.append((plan, sent_at))
+
+    async def _receive(self, more_in_flight: bool) -> StepResult:
+        try:
+            return await self.worker.receive()
+        except EngineError as e:
+            raise _failure(e) from None
+        finally:
+            self._end_step()
+            if more_in_flight:  # the next plan's liveness clock starts as this one ends
+                self._step_started = time.monotonic()
+
+    async def _wait_for_work(self, pending: bool) -> None:
+        """Nothing in flight: wait for an add/abort. If requests wait although nothing was
+        runnable (rare: a head-of-line request the pool cannot take yet), wait 50 ms at most."""
+        self._work.clear()
+        if not pending:
+            await self._work.wait()
+            return
+        try:
+            await asyncio.wait_for(self._work.wait(), 0.05)
+        except asyncio.TimeoutError:
+            pass
 
     def _end_step(self) -> None:
         self._step_started = None
@@ -334,6 +380,11 @@ class AsyncEngine(EngineRequests):
             stream.fail(error)
         if streams:
             log.warning("requests.failed", count=len(streams), error=str(error))
+
+
+def _failure(error: EngineError) -> _StepFailed:
+    """Unreachable or restarted: lost (recompute on reconnect); refused or failed: not."""
+    return _StepFailed(error, lost=isinstance(error, WorkerUnavailableError))
 
 
 def _geometry(info: WorkerInfo) -> tuple:

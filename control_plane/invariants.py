@@ -72,6 +72,13 @@ def check_scheduler(sched) -> None:
     for seq in sched.running:
         if seq.status != SeqStatus.RUNNING or sched.seqs.get(seq.seq_id) is not seq:
             raise AssertionError(f"running list holds {seq.status.name} sequence {seq.seq_id}")
+        # Overlap: computed positions run at most into the pending samples, and only past the
+        # known tokens when there are pending ones.
+        if not 0 <= seq.num_pending <= 2 or seq.num_computed_tokens > seq.num_tokens + seq.num_pending:
+            raise AssertionError(
+                f"sequence {seq.seq_id}: {seq.num_computed_tokens} computed of {seq.num_tokens} known "
+                f"+ {seq.num_pending} pending tokens"
+            )
     for seq in sched.seqs.values():
         if (seq.status == SeqStatus.RUNNING) != (seq.seq_id in running):
             raise AssertionError(
@@ -90,10 +97,10 @@ def check_plan(sched, plan: Plan) -> None:
     bs = sched.block_size
     dsts = {dst for _, dst in plan.copies}
     for item in (*plan.new, *plan.continuing):
-        if not item.token_ids:
+        if not item.num_inputs:
             raise AssertionError(f"sequence {item.seq_id} scheduled with no token to compute")
         table = sched.kv.tables[item.seq_id]
-        end = item.start_pos + len(item.token_ids)
+        end = item.start_pos + item.num_inputs
         if len(table) * bs < end:
             raise AssertionError(
                 f"sequence {item.seq_id}: table of {len(table)} blocks cannot hold {end} tokens"

@@ -125,7 +125,8 @@ class KVCacheManager:
         """Hash and cache every block whose slots are all computed (call after a step ran)."""
         if not self.enable_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        # Capped by the known tokens: a pending sample's slot is computed but its id unknown.
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         done = self.num_cached_blocks.get(seq.seq_id, 0)
         if num_full <= done:
             return
@@ -137,14 +138,15 @@ class KVCacheManager:
             self.pool.cache_block(table[i], seq.block_hashes[i])
         self.num_cached_blocks[seq.seq_id] = num_full
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Share every block of parent with child (ref count += 1). Writes are copy-on-write."""
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        """Share the blocks holding parent's first `num_tokens` tokens with child (ref count
+        += 1). Writes into them are copy-on-write."""
         if child.seq_id in self.tables:
             raise ValueError(f"sequence {child.seq_id} already has a block table")
-        table = self.tables[parent.seq_id]
+        table = self.tables[parent.seq_id][: self.num_blocks_needed(num_tokens)]
         self.pool.touch(table)
-        self.tables[child.seq_id] = list(table)
-        self.num_cached_blocks[child.seq_id] = self.num_cached_blocks[parent.seq_id]
+        self.tables[child.seq_id] = table
+        self.num_cached_blocks[child.seq_id] = min(self.num_cached_blocks[parent.seq_id], len(table))
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so a shared prefix survives longest."""

@@ -12,6 +12,14 @@ The plan is a *diff* against the worker's mirrored block tables:
     step k+9: ContinuingSequence(seq 7, new_block_ids=[12], token_ids=[t48], start_pos=48)
                                                 ^ appended: table is now [3, 9, 4, 12]
 
+With overlap scheduling the control plane plans step k+1 before step k's result has come back,
+so it does not yet know the token a decode continues from. It then sends `token_ids=[]` with
+`feed_last_sample=True`: "the token you sampled for me in my last sampling step". The worker
+runs plans strictly in order, so that token exists by the time plan k+1 runs:
+
+    step k:   ContinuingSequence(seq 7, token_ids=[t48], start_pos=48, sample=True)  -> t49
+    step k+1: ContinuingSequence(seq 7, token_ids=[], feed_last_sample=True, start_pos=49)
+
 so a decode step's plan grows with the number of sequences, never with context length.
 Slots are never sent: the worker derives slot = table[pos // block_size] * block_size
 + pos % block_size.
@@ -89,6 +97,10 @@ class NewSequence:
     sample_index: int = 0  # which of the request's n samples this sequence is (seeds differ)
     num_samples: int = 1  # sample this many tokens from the last logits (fan-out for n > 1)
 
+    @property
+    def num_inputs(self) -> int:
+        return len(self.token_ids)
+
 
 @dataclass(slots=True)
 class ContinuingSequence:
@@ -101,6 +113,13 @@ class ContinuingSequence:
     start_pos: int
     sample: bool
     num_samples: int = 1  # fan-out when a chunked prompt completes in this step (see NewSequence)
+    # The step's one input token is the first token the worker sampled for this sequence in
+    # its last sampling step (token_ids is then empty): overlap scheduling, see the module doc.
+    feed_last_sample: bool = False
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.token_ids) + self.feed_last_sample
 
 
 @dataclass(slots=True)
@@ -113,7 +132,7 @@ class Plan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.new) + sum(len(s.token_ids) for s in self.continuing)
+        return sum(len(s.token_ids) for s in self.new) + sum(s.num_inputs for s in self.continuing)
 
     def is_empty(self) -> bool:
         return not (self.new or self.continuing or self.copies or self.finished)

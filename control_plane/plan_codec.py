@@ -90,6 +90,8 @@ def encode_plan(plan: Plan, expected_instance_id: str = "") -> pb.Plan:
         c.start_pos = s.start_pos
         c.sample = s.sample
         c.num_samples = s.num_samples
+        if s.feed_last_sample:
+            c.feed_last_sample = True
     if plan.copies:
         m.copies.extend([_PbCopy(src=a, dst=b) for a, b in plan.copies])
     if plan.finished:
@@ -132,6 +134,7 @@ def decode_plan(m: pb.Plan) -> Plan:
                 s.start_pos,
                 s.sample,
                 s.num_samples,
+                s.feed_last_sample,
             )
             for s in m.continuing
         ],

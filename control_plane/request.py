@@ -53,6 +53,10 @@ class Sequence:
     # the table it has (entries beyond this are sent as `new_block_ids`).
     synced: bool = False
     num_synced_blocks: int = 0
+    # Overlap scheduling: tokens the worker has sampled (plans sent) that `update` has not
+    # appended yet. They sit at positions num_tokens, num_tokens + 1, ...; a plan computes the
+    # first of them by `feed_last_sample`. 0 or 1 when `schedule` runs.
+    num_pending: int = 0
     admitted_at: int = 0  # step counter at (re)admission; preemption picks the newest
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
@@ -88,6 +92,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
     forked: bool = False  # n > 1: the children exist (the fan-out happened)
+    fan_out_planned: bool = False  # n > 1: a plan asks for the n first tokens (maybe in flight)
 
     @property
     def num_prompt_tokens(self) -> int:

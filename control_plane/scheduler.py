@@ -8,7 +8,13 @@ One step:
        │ (prefix-cache hits, chunked prefill) while budget, seats and blocks last.
 
 A sequence's `num_computed_tokens` advances when it is scheduled; its sampled token arrives in
-`update`. Blocks are allocated on demand (a new one only when the last is full); a sequence
+`update`. With overlap scheduling (the engine plans step k+1 before step k's result is in)
+a sequence sampled in step k has one *pending* token (`Sequence.num_pending`); step k+1
+computes it by `feed_last_sample` without knowing it, unless it will certainly end the
+sequence by length (then the sequence sits out the step). Stops found in `update(k)` are one
+step late: the token the worker sampled in k+1 for a finished sequence is dropped there.
+
+Blocks are allocated on demand (a new one only when the last is full); a sequence
 preempted by recompute frees its blocks -- full ones stay cached -- and waits again with its
 original arrival order, so its recompute usually hits the prefix cache.
 
@@ -173,22 +179,28 @@ class Scheduler(SchedulerUpdate):
             self._schedule_waiting(plan, budget)
         plan.finished = self.pending_finished
         self.pending_finished = []
+        if plan.is_empty():
+            self.num_steps -= 1  # never sent: steps count the plans a worker runs
         return plan
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        n = min(_to_compute(seq), budget)
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap else n
 
     def _schedule_running(self, plan: Plan, budget: int) -> tuple[int, bool]:
         running = self.running
         # Decodes are reserved one token each so a long prefill chunk never starves them.
-        reserve = sum(1 for s in running if s.num_tokens - s.num_computed_tokens == 1)
+        reserve = sum(1 for s in running if _to_compute(s) == 1)
         preempted = False
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            is_decode = seq.num_tokens - seq.num_computed_tokens == 1
+            is_decode = _to_compute(seq) == 1
+            if is_decode and seq.num_pending and self._ends_by_length(seq):
+                reserve -= 1  # its pending token finishes it: nothing left to compute
+                i += 1
+                continue
             if is_decode:
                 reserve -= 1
                 num_new = 1
@@ -200,7 +212,7 @@ class Scheduler(SchedulerUpdate):
             alloc = self.kv.allocate_slots(seq, num_new)
             while alloc is None and len(running) - 1 > i:
                 victim = running.pop()  # lowest priority, most recently admitted
-                if victim.num_tokens - victim.num_computed_tokens == 1:
+                if _to_compute(victim) == 1:
                     reserve -= 1
                 self._preempt(victim)
                 preempted = True
@@ -219,6 +231,12 @@ class Scheduler(SchedulerUpdate):
             i += 1
         return budget, preempted
 
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Its pending tokens alone reach max_tokens or the max model length."""
+        num_tokens = seq.num_tokens + seq.num_pending
+        sampling = seq.request.sampling
+        return num_tokens - seq.num_prompt_tokens >= sampling.max_tokens or num_tokens >= self.max_model_len
+
     def _may_admit(self) -> bool:
         if self.config.policy == "latency":
             # Finish running decodes before admitting new prefills (flat inter-token latency).
@@ -229,8 +247,8 @@ class Scheduler(SchedulerUpdate):
         taken = self.num_seats_taken()
         while budget > 0:
             seq = self._peek_waiting()
-            if seq is None:
-                return
+            if seq is None or seq.num_pending:
+                return  # (a sequence preempted while its sample was in flight waits for it)
             seats = _seats(seq)
             if taken + seats > self.max_running:
                 return
@@ -265,15 +283,22 @@ class Scheduler(SchedulerUpdate):
 
     def _emit(self, plan: Plan, seq: Sequence, num_new: int, alloc: Allocation) -> None:
         start = seq.num_computed_tokens
-        tokens = seq.token_ids[start : start + num_new]
+        feed = start == seq.num_tokens  # its input is the pending sample (overlap scheduling)
+        tokens = [] if feed else seq.token_ids[start : start + num_new]
         seq.num_computed_tokens = start + num_new
-        sample = seq.num_computed_tokens == seq.num_tokens
+        sample = seq.num_computed_tokens == seq.num_tokens + seq.num_pending
+        if sample:
+            seq.num_pending += 1
         table = self.kv.tables[seq.seq_id]
         if alloc.copies:
             plan.copies.extend(alloc.copies)
         req = seq.request
-        fan_out = req.sampling.n if (req.sampling.n > 1 and not req.forked and sample) else 1
+        fan_out = 1
+        if sample and req.sampling.n > 1 and not req.fan_out_planned:
+            fan_out, req.fan_out_planned = req.sampling.n, True
         if not seq.synced:
+            if feed:
+                raise AssertionError(f"sequence {seq.seq_id}: a pending sample fed to an unsynced mirror")
             plan.new.append(
                 NewSequence(
                     seq.seq_id,
@@ -291,7 +316,7 @@ class Scheduler(SchedulerUpdate):
             synced = seq.num_synced_blocks
             new_ids = [b.block_id for b in table[synced:]] if len(table) > synced else []
             plan.continuing.append(
-                ContinuingSequence(seq.seq_id, new_ids, alloc.replaced, tokens, start, sample, fan_out)
+                ContinuingSequence(seq.seq_id, new_ids, alloc.replaced, tokens, start, sample, fan_out, feed)
             )
         seq.num_synced_blocks = len(table)
 
@@ -362,11 +387,20 @@ class Scheduler(SchedulerUpdate):
             self._preempt(seq)
         self.running.clear()
         self.pending_finished.clear()
+        for seq in self.seqs.values():
+            seq.num_pending = 0  # samples of the lost steps never arrive; recompute redraws them
+        for req in self.requests.values():
+            req.fan_out_planned = req.forked  # a fan-out lost with its step is planned again
         if not self.kv.pool.reset_prefix_cache():
             raise AssertionError("blocks still held after preempting every running sequence")
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.pool.reset_prefix_cache()
+
+
+def _to_compute(seq: Sequence) -> int:
+    """Tokens (known or pending) whose K/V are not computed yet: 1 for a decode."""
+    return seq.num_tokens + seq.num_pending - seq.num_computed_tokens
 
 
 def _seats(seq: Sequence) -> int:

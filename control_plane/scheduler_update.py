@@ -4,6 +4,11 @@
 token ids, max_tokens, max model length), frees finished ones, caches newly full blocks, and
 returns one `RequestOutput` per sample that produced a token or finished. Aborts and
 engine-side stops (stop strings) end samples through the same `_finish` path.
+
+Overlap scheduling: by the time `update(k)` runs, step k+1 is planned (and maybe running).
+A token for a sequence that finished meanwhile is dropped (never appended, counted or
+hashed); one for a sequence preempted meanwhile is kept (it was sampled from a valid
+context, and its recompute includes it).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ class SchedulerUpdate:
         if result.step_id != plan.step_id:
             raise AssertionError(f"result of step {result.step_id} applied to plan {plan.step_id}")
         seqs = self.seqs
-        # The step ran: every slot scheduled is now computed, so full blocks become cacheable.
+        # The step ran: every slot scheduled is now computed, so full blocks become cacheable
+        # (with overlap also slots of the step in flight: the worker runs plans in order, so
+        # their K/V is written before any later plan can read a cache hit).
         if self.kv.enable_caching:
             for item in (*plan.new, *plan.continuing):
                 seq = seqs.get(item.seq_id)
@@ -31,8 +38,9 @@ class SchedulerUpdate:
         any_finished = False
         for out in result.outputs:
             seq = seqs.get(out.seq_id)
-            if seq is None or seq.status != SeqStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+            if seq is None or seq.status == SeqStatus.FINISHED:
+                continue  # aborted, or stopped by an earlier step's token (overlap): dropped
+            seq.num_pending -= 1
             token_ids = out.token_ids
             logprobs = out.logprobs
             if len(token_ids) > 1:
@@ -72,16 +80,22 @@ class SchedulerUpdate:
         req = parent.request
         req.forked = True
         any_finished = False
+        num_prompt = req.num_prompt_tokens
         for i, token in enumerate(tokens, start=1):
             child = self._new_sequence(req, i, list(req.prompt_token_ids))
-            child.status = SeqStatus.RUNNING
-            child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
-            child.admitted_at = parent.admitted_at
             child.block_hashes = list(parent.block_hashes)
-            self.kv.fork(parent, child)
-            self.running.append(child)
-            self._running_dirty = True
+            if parent.status == SeqStatus.RUNNING:
+                child.status = SeqStatus.RUNNING
+                child.num_computed_tokens = num_prompt
+                child.admitted_at = parent.admitted_at
+                # Only the prompt's blocks: with overlap the parent may already hold a block
+                # for its next position, which the child would have to copy-on-write.
+                self.kv.fork(parent, child, num_prompt)
+                self.running.append(child)
+                self._running_dirty = True
+            else:  # the parent was preempted while this step ran (overlap): recompute later
+                self._enqueue(child)
             if self._append(child, token):
                 any_finished = True
             outputs.append(self._output(child, [token], [logprobs[i - 1]] if logprobs else None))

@@ -76,6 +76,7 @@ class SimWorker:
         self.slots = array("i", [-1]) * (num_blocks * block_size)
         self.tables: dict[int, list[int]] = {}
         self.sample_index: dict[int, int] = {}
+        self.last_sample: dict[int, int] = {}  # what ContinuingSequence.feed_last_sample reads
         self.num_copies = 0
 
     def describe(self) -> WorkerInfo:
@@ -84,12 +85,14 @@ class SimWorker:
     def reset(self) -> None:
         self.tables.clear()
         self.sample_index.clear()
+        self.last_sample.clear()
 
     def execute(self, plan: Plan) -> StepResult:
         for seq_id in plan.finished:
             if self.tables.pop(seq_id, None) is None:
                 raise ValueError(f"finished sequence {seq_id} is not mirrored")
             self.sample_index.pop(seq_id, None)
+            self.last_sample.pop(seq_id, None)
         for s in plan.new:
             if s.seq_id in self.tables:
                 raise ValueError(f"new sequence {s.seq_id} already mirrored")
@@ -109,20 +112,30 @@ class SimWorker:
             self.num_copies += 1
         started = time.perf_counter()
         outputs = []
-        items = [(s, s.num_samples) for s in (*plan.new, *plan.continuing)]
-        for s, _ in items:
-            self._write(s.seq_id, s.start_pos, s.token_ids)
-        for s, num_samples in items:
+        items = [(s, self._inputs(s)) for s in (*plan.new, *plan.continuing)]
+        for s, token_ids in items:
+            self._write(s.seq_id, s.start_pos, token_ids)
+        for s, token_ids in items:
             if not s.sample:
                 continue
-            context = self._read(s.seq_id, s.start_pos + len(s.token_ids)) if self.verify else s.token_ids
+            context = self._read(s.seq_id, s.start_pos + len(token_ids)) if self.verify else token_ids
             base = self.sample_index[s.seq_id]
             vocab = self._info.vocab_size
-            toks = [sim_next_token(context, base + i, vocab) for i in range(num_samples)]
+            toks = [sim_next_token(context, base + i, vocab) for i in range(s.num_samples)]
+            self.last_sample[s.seq_id] = toks[0]
             outputs.append(SeqOutput(s.seq_id, toks, None))
         # Like the real worker: the "forward" is timed only when something was scheduled.
         elapsed = time.perf_counter() - started if items else 0.0
         return StepResult(plan.step_id, outputs, forward_seconds=elapsed)
+
+    def _inputs(self, s) -> list[int]:
+        """The step's input tokens; a fed sample is consumed, as every step consumes the last one."""
+        last = self.last_sample.pop(s.seq_id, None)
+        if getattr(s, "feed_last_sample", False):
+            if last is None:
+                raise ValueError(f"sequence {s.seq_id} feeds a last sample it does not have")
+            return [last]
+        return s.token_ids
 
     def _write(self, seq_id: int, start: int, tokens: list[int]) -> None:
         table, bs = self.tables[seq_id], self.block_size

@@ -11,15 +11,18 @@ one of three exceptions, which is all the engine loop needs to decide what to do
                              unchanged; INTERNAL = the forward failed). A control-plane bug or
                              a device fault, never retried blindly.
 
-`execute` sends its plans on one long-lived ExecuteStream call: unary Execute costs 1.2-1.7x
-the stream's round trip (bench/transport.py). Any failure drops the call and the next plan
-opens a fresh one, so a stream never outlives an error, a timeout or a worker restart.
+Plans travel on one long-lived ExecuteStream call: unary Execute costs 1.2-1.7x the stream's
+round trip (bench/transport.py). `execute` is one plan's round trip; overlap scheduling uses
+`send` (write a plan, don't wait) and `receive` (the oldest sent plan's result), keeping up to
+two plans in flight. Any failure drops the call with every plan in flight on it, and the next
+plan opens a fresh one, so a stream never outlives an error, a timeout or a worker restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import deque
 from collections.abc import Callable
 
 import grpc
@@ -74,9 +77,9 @@ def _translate_rpc_error(e: grpc.aio.AioRpcError, target: str, what: str) -> Eng
 class WorkerClient:
     """One channel to one worker. Safe to keep across worker restarts (gRPC reconnects).
 
-    Invariant: at most one `execute` is in flight per client (the engine loop awaits every step
-    before it plans the next). The stream pairs a result with its plan by order alone, so a
-    second concurrent plan could be handed the first one's result; `execute` refuses it.
+    One caller at a time (the engine loop). The stream pairs a result with its plan by order
+    alone: `receive` returns results in `send` order, and `execute` refuses to run while plans
+    are in flight (it would be handed their result).
     """
 
     def __init__(
@@ -115,7 +118,7 @@ class WorkerClient:
             response_deserializer=worker_pb2.ResetResponse.FromString,
         )
         self._call: grpc.aio.StreamStreamCall | None = None
-        self._in_flight = False
+        self._in_flight: deque[int] = deque()  # step ids sent on self._call, not yet answered
         self._on_lost: Callable[[], None] | None = None
 
     async def describe(self, timeout: float | None = None) -> WorkerInfo:
@@ -127,27 +130,46 @@ class WorkerClient:
             raise _translate_rpc_error(e, self.target, "Describe") from None
         return decode_worker_info(msg)
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
     async def execute(self, plan: Plan, expected_instance_id: str = "") -> StepResult:
-        """Runs `plan` on the worker's stream. Not reentrant (see the class docstring)."""
+        """Runs `plan` on the worker's stream: `send` + `receive`, with nothing else in flight."""
         if self._in_flight:
-            raise RuntimeError("WorkerClient.execute: a plan is already in flight on this stream")
-        self._in_flight = True
-        try:
-            request = encode_plan(plan, expected_instance_id)
-            msg = await self._exchange(request, f"ExecuteStream(step {plan.step_id})")
-        finally:
-            self._in_flight = False
+            raise RuntimeError("WorkerClient.execute: plans are in flight on this stream; receive them first")
+        await self.send(plan, expected_instance_id)
+        return await self.receive()
+
+    async def send(self, plan: Plan, expected_instance_id: str = "") -> None:
+        """Write `plan` on the stream without waiting for its result (overlap scheduling)."""
+        request = encode_plan(plan, expected_instance_id)
+        call = self._open_call()
+        self._in_flight.append(plan.step_id)
+        await self._guarded(call, call.write(request), f"ExecuteStream(send step {plan.step_id})")
+
+    async def receive(self) -> StepResult:
+        """The result of the oldest plan sent and not yet received, within `step_timeout_s`."""
+        call = self._call
+        if not self._in_flight or call is None:
+            raise RuntimeError("WorkerClient.receive: no plan in flight")
+        what = f"ExecuteStream(step {self._in_flight[0]})"
+        msg = await self._guarded(call, call.read(), what)
+        if msg is grpc.aio.EOF:  # the worker closed its side with OK, without answering
+            self._drop_call(call)
+            raise WorkerUnavailableError(f"worker at {self.target} ended the stream during {what}")
+        self._in_flight.popleft()
         return decode_result(msg)
 
-    async def _exchange(self, request: worker_pb2.Plan, what: str) -> worker_pb2.StepResult:
-        """Write one plan and read its result within `step_timeout_s`. Any failure (a status,
-        the timeout, our own cancellation) leaves the stream out of step: the call is dropped."""
-        call = self._open_call()
-        answered = False
+    async def _guarded(self, call: grpc.aio.StreamStreamCall, operation, what: str):
+        """Await one write or read within `step_timeout_s`. Any failure (a status, the timeout,
+        our own cancellation) leaves the stream out of step: the call is dropped with every
+        plan in flight on it."""
+        done = False
         try:
-            msg = await asyncio.wait_for(self._round_trip(call, request, what), self.step_timeout_s)
-            answered = True
-            return msg
+            value = await asyncio.wait_for(operation, self.step_timeout_s)
+            done = True
+            return value
         except grpc.aio.AioRpcError as e:
             raise _translate_rpc_error(e, self.target, what) from None
         except asyncio.TimeoutError:  # what a deadline on a unary call would have said
@@ -159,20 +181,15 @@ class WorkerClient:
             code, details = await call.code(), await call.details()
             raise _translate(code, details or "", self.target, what) from None
         finally:
-            if not answered:
+            if not done:
                 self._drop_call(call)
-
-    async def _round_trip(self, call, request: worker_pb2.Plan, what: str) -> worker_pb2.StepResult:
-        await call.write(request)
-        msg = await call.read()
-        if msg is grpc.aio.EOF:  # the worker closed its side with OK, without answering
-            raise WorkerUnavailableError(f"worker at {self.target} ended the stream during {what}")
-        return msg
 
     def _open_call(self) -> grpc.aio.StreamStreamCall:
         """The live stream, or a new one if there is none or it has ended (e.g. the worker went
         away between steps): the plan then meets the worker's current state, as a unary call would."""
-        if self._call is None or self._call.done():
+        # A call that ended with plans in flight stays: writing on it fails, and that failure
+        # reports the loss of those plans.
+        if self._call is None or (self._call.done() and not self._in_flight):
             self._call = self._execute_stream(metadata=self._metadata)
             self._call.add_done_callback(self._stream_ended)
         return self._call
@@ -182,6 +199,7 @@ class WorkerClient:
             call.cancel()
         if self._call is call:
             self._call = None
+            self._in_flight.clear()
 
     async def reset(self, timeout: float | None = None) -> str:
         """Claims the worker's owner lease and drops every mirror; returns the worker's

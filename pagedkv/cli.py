@@ -177,7 +177,7 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
 
 
 # The control plane's limits and lifecycle: `serve` forwards these to its control child as is.
-CONTROL_LIMIT_FLAGS = ("max_queue", "max_n", "worker_grace", "step_timeout", "step_liveness")
+CONTROL_LIMIT_FLAGS = ("max_queue", "max_n", "worker_grace", "step_timeout", "step_liveness", "no_overlap")
 
 
 def _add_control_limits(p: argparse.ArgumentParser) -> None:
@@ -195,6 +195,12 @@ def _add_control_limits(p: argparse.ArgumentParser) -> None:
         default=30.0,
         metavar="SECONDS",
         help="health turns NOT_SERVING while a step has been in flight longer than this (a hung worker)",
+    )
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="one plan in flight at a time (the strict loop): no planning of step k+1 while step k "
+        "runs; for comparison and debugging (docs/ARCHITECTURE.md)",
     )
 
 

@@ -162,7 +162,9 @@ async def _control_main(args) -> int:
     worker = WorkerClient(
         args.worker, step_timeout_s=args.step_timeout, security=worker_security, take_over=args.take_over
     )
-    options = EngineOptions(worker_grace_s=args.worker_grace, step_liveness_s=args.step_liveness)
+    options = EngineOptions(
+        worker_grace_s=args.worker_grace, step_liveness_s=args.step_liveness, overlap=not args.no_overlap
+    )
     engine = AsyncEngine(worker, config, options)
     loop = asyncio.get_running_loop()
     metrics = _start_metrics(args, lambda: ControlPlaneMetrics(engine, loop))  # first: fails fast

@@ -13,7 +13,8 @@ Checked:
     ceil(max_model_len / block_size) entries, covering every position written this step;
   - continuing: `replaced` indices inside the current table and distinct, start_pos not
     beyond the tokens already computed (a gap would attend to never-written K/V),
-    num_samples >= 1;
+    num_samples >= 1; `feed_last_sample` only with no token_ids, after a plan that sampled it,
+    start_pos exactly at the computed tokens (the sample's own position);
   - new: num_samples >= 1, sample_index >= 0, sampling parameters valid;
   - copies: ids in range, src != dst, each dst once (they take effect in list order);
   - no write into a block that more than one live table references after this plan
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 from control_plane.plan import NULL_BLOCK_ID, ContinuingSequence, NewSequence, Plan
 from worker.errors import PlanError
-from worker.sequence_mirror import SequenceMirrors
+from worker.sequence_mirror import SequenceMirror, SequenceMirrors
 
 _ANY_N = 1 << 30  # the worker does not bound n; the control plane's admission does
 
@@ -122,7 +123,10 @@ class _PlanChecker:
     def continuing_sequence(self, seq: ContinuingSequence) -> _TableAfterDelta:
         """Check a continuing sequence's delta; return its table as it will be after the plan."""
         mirror = self.mirrors[seq.seq_id]
-        self.tokens(seq.seq_id, seq.token_ids, seq.start_pos)
+        if seq.feed_last_sample:
+            self.fed_sample(seq, mirror)
+        else:
+            self.tokens(seq.seq_id, seq.token_ids, seq.start_pos)
         if seq.num_samples < 1:
             raise self.fail(f"num_samples must be >= 1, got {seq.num_samples}", seq.seq_id)
         if seq.start_pos > mirror.num_computed_tokens:
@@ -143,8 +147,29 @@ class _PlanChecker:
         self.block_ids(seq.seq_id, [block for _, block in seq.replaced], "replaced")
         self.block_ids(seq.seq_id, seq.new_block_ids, "new_block_ids")
         table = _TableAfterDelta(mirror.block_ids, dict(seq.replaced), seq.new_block_ids)
-        self.table_capacity(seq.seq_id, len(table), seq.start_pos + len(seq.token_ids))
+        self.table_capacity(seq.seq_id, len(table), seq.start_pos + seq.num_inputs)
         return table
+
+    def fed_sample(self, seq: ContinuingSequence, mirror: SequenceMirror) -> None:
+        if seq.token_ids:
+            raise self.fail(
+                "sets feed_last_sample but also sends token_ids; send one or the other", seq.seq_id
+            )
+        if mirror.last_sample is None:
+            raise self.fail(
+                "sets feed_last_sample, but the previous plan that scheduled it did not sample it",
+                seq.seq_id,
+            )
+        if seq.start_pos != mirror.num_computed_tokens:
+            raise self.fail(
+                f"feeds its last sample at position {seq.start_pos}, but that sample belongs at "
+                f"position {mirror.num_computed_tokens}",
+                seq.seq_id,
+            )
+        if seq.start_pos >= self.limits.max_model_len:
+            raise self.fail(
+                f"position {seq.start_pos} exceeds max_model_len {self.limits.max_model_len}", seq.seq_id
+            )
 
     def tokens(self, seq_id: int, token_ids: Sequence[int], start_pos: int) -> None:
         if not token_ids:
@@ -226,7 +251,7 @@ class _PlanChecker:
         block_size = self.limits.block_size
         for seq in (*self.plan.new, *self.plan.continuing):
             table = tables[seq.seq_id]
-            first, last = seq.start_pos // block_size, (seq.start_pos + len(seq.token_ids) - 1) // block_size
+            first, last = seq.start_pos // block_size, (seq.start_pos + seq.num_inputs - 1) // block_size
             for index in range(first, last + 1):
                 block_id = table[index]
                 refs = self.mirrors.block_refs(block_id) + refs_delta[block_id]

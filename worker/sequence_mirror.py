@@ -26,6 +26,9 @@ class SequenceMirror:
     sampling: SamplingParams
     sample_index: int
     num_computed_tokens: int  # positions [0, n) hold this sequence's K/V once the step runs
+    # The first token of this sequence's last sample, until a plan feeds it forward
+    # (ContinuingSequence.feed_last_sample); None when there is none to feed.
+    last_sample: int | None = None
 
 
 class SequenceMirrors:
@@ -76,7 +79,7 @@ class SequenceMirrors:
             self._block_refs[block_id] += 1
         table.extend(seq.new_block_ids)
         self._block_refs.update(seq.new_block_ids)
-        mirror.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+        mirror.num_computed_tokens = seq.start_pos + seq.num_inputs
         return mirror
 
     def drop(self, seq_id: int) -> None:

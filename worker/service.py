@@ -4,6 +4,11 @@
                    ◀══StepResult═══                 ◀─encode──
     (unary Execute, for grpcurl and simple clients, runs the same per-plan code)
 
+ExecuteStream reads ahead: each plan is checked, decoded and queued on the step thread as soon
+as it arrives, while earlier plans still run, so with overlap scheduling (plan k+1 sent
+before result k) the step thread goes from plan k straight to plan k+1; results are written
+back in order. A failed plan stops the stream: plans queued behind it are skipped, never run.
+
 The servicer starts before the model is loaded: health reports NOT_SERVING and every Worker RPC
 answers UNAVAILABLE until `load()` has built the worker (weights loaded, KV pool allocated);
 then SERVING. Every call into the worker runs on one dedicated thread, so
@@ -22,6 +27,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -37,7 +43,7 @@ from pagedkv.grpc_util import (
 )
 from pagedkv.logs import get_logger
 from pagedkv.security import ServerSecurity
-from pagedkv.service_registry import add_service, checks_malformed, refuse_malformed
+from pagedkv.service_registry import MalformedRequest, add_service, checks_malformed
 from pagedkv.v1 import worker_pb2, worker_pb2_grpc
 from worker.owner_lease import LeaseHeldError, OwnerLease
 
@@ -118,10 +124,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.info = info
         return info
 
-    def _timed_execute(self, worker: WorkerLike, plan: Plan) -> StepResult:
-        """Runs on the step thread: the time measured excludes queueing and (de)coding."""
+    def _timed_execute(self, worker: WorkerLike, plan: Plan, run: _StreamRun | None = None) -> StepResult:
+        """Runs on the step thread: the time measured excludes queueing and (de)coding. On a
+        stream (`run`), a plan queued behind a failed one is skipped: its stream is ending."""
+        if run is not None and run.stopped:
+            raise _Skipped(f"plan {plan.step_id} skipped: an earlier plan on its stream failed")
         started = time.perf_counter()
-        result = worker.execute(plan)
+        try:
+            result = worker.execute(plan)
+        except BaseException:
+            if run is not None:
+                run.stopped = True
+            raise
         if self._observe_execute is not None:
             self._observe_execute(time.perf_counter() - started, result)
         return result
@@ -132,52 +146,90 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     # -- RPCs -------------------------------------------------------------------------------
     async def _require_worker(self, context) -> WorkerLike:
         if self._worker is None:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "worker is loading its model and KV pool; retry shortly"
-            )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _LOADING)
         return self._worker
 
     async def Describe(self, request, context):
         await self._require_worker(context)
         return self._info_pb
 
-    async def Execute(self, request, context):
-        return await self._execute_one(request, context)
-
-    @checks_malformed  # in _execute_one: no wrapper layer on the per-step stream
+    @checks_malformed  # in _refusal: no wrapper layer on the per-step stream
     async def ExecuteStream(self, request_iterator, context):
-        # An abort inside _execute_one raises out of this generator: the status ends the stream.
-        # An open stream holds its control plane's lease (worker/owner_lease.py).
+        # An open stream holds its control plane's lease (worker/owner_lease.py). A reader task
+        # queues every plan on the step thread as it arrives; this generator answers in order.
         owner = _owner_of(context)
         self.lease.stream_opened(owner)
+        run = _StreamRun()
+        queue: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(self._read_plans(request_iterator, owner, run, queue))
         try:
-            async for request in request_iterator:
-                yield await self._execute_one(request, context, owner)
+            while (item := await queue.get()) is not None:
+                if isinstance(item, _Refusal):
+                    await context.abort(item.code, item.message)
+                step_id, future = item
+                try:
+                    result = await future
+                except Exception as e:  # noqa: BLE001 -- every failure becomes a status
+                    await self._abort_for(context, "execute", e, step_id=step_id)
+                self.num_steps += 1
+                yield encode_result(result)
         finally:
+            run.stopped = True  # whatever is still queued is skipped
+            reader.cancel()
+            _discard(queue)
             self.lease.stream_closed(owner)
 
-    async def _execute_one(
-        self, request: worker_pb2.Plan, context, owner: str | None = None
-    ) -> worker_pb2.StepResult:
-        """One plan, whichever RPC carried it: owner and instance checks, decode, the step
-        thread, encode."""
-        await refuse_malformed(context, request)
-        worker = await self._require_worker(context)
+    async def _read_plans(self, request_iterator, owner: str, run: _StreamRun, queue: asyncio.Queue) -> None:
+        """Check, decode and queue each plan on the step thread; a refusal ends the reading."""
+        loop = asyncio.get_running_loop()
         try:
-            self.lease.check(_owner_of(context) if owner is None else owner)
+            async for request in request_iterator:
+                refusal = self._refusal(request, owner)
+                if refusal is not None:
+                    queue.put_nowait(refusal)
+                    return
+                try:
+                    plan = decode_plan(request)
+                except Exception as e:  # noqa: BLE001
+                    future = loop.create_future()
+                    future.set_exception(e)
+                else:
+                    future = loop.run_in_executor(
+                        self._executor, self._timed_execute, self._worker, plan, run
+                    )
+                queue.put_nowait((request.step_id, future))
+        finally:
+            queue.put_nowait(None)
+
+    def _refusal(self, request, owner: str) -> _Refusal | None:
+        """Why a plan may not run here, checked before decoding it: malformed, not loaded,
+        another control plane's lease, or made for another worker instance."""
+        if type(request) is MalformedRequest:
+            return _Refusal(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+        if self._worker is None:
+            return _Refusal(grpc.StatusCode.UNAVAILABLE, _LOADING)
+        try:
+            self.lease.check(owner)
         except LeaseHeldError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            return _Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         expected = request.expected_instance_id
         if expected and expected != self._instance_id:
-            await context.abort(
+            return _Refusal(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"plan made for worker instance {expected!r} but this is {self._instance_id!r} "
                 "(the worker restarted; Describe again and resend full tables)",
             )
+        return None
+
+    @checks_malformed  # in _refusal
+    async def Execute(self, request, context):
+        refusal = self._refusal(request, _owner_of(context))
+        if refusal is not None:
+            await context.abort(refusal.code, refusal.message)
         try:
             plan = decode_plan(request)
             result = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._timed_execute, worker, plan
+                self._executor, self._timed_execute, self._worker, plan
             )
         except Exception as e:  # noqa: BLE001 -- every failure becomes a status, the server stays up
             await self._abort_for(context, "execute", e, step_id=request.step_id)
@@ -209,6 +261,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         else:
             log.warning(f"worker.{what}_rejected", code=code.name, error=str(exc), **fields)
         await context.abort(code, f"{what} failed: {exc}")
+
+
+_LOADING = "worker is loading its model and KV pool; retry shortly"
+
+
+@dataclass(slots=True)
+class _StreamRun:
+    """One ExecuteStream's state shared with the step thread."""
+
+    stopped: bool = False  # a plan failed or the stream ended: skip the plans still queued
+
+
+@dataclass(slots=True, frozen=True)
+class _Refusal:
+    code: grpc.StatusCode
+    message: str
+
+
+class _Skipped(Exception):
+    """A plan queued behind a failed one on the same stream (never run, never answered)."""
+
+
+def _discard(queue: asyncio.Queue) -> None:
+    """Plans left unanswered on an ending stream: their outcome (mostly _Skipped) is dropped."""
+    while not queue.empty():
+        item = queue.get_nowait()
+        if isinstance(item, tuple):
+            item[1].add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _owner_of(context) -> str:

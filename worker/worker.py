@@ -115,10 +115,11 @@ class Worker:
                 sampling_hidden = hidden[inputs.logits_indices]
             logits = self.model.compute_logits(sampling_hidden)
             samples = self.sampler.sample(logits, rows)
-        outputs = [
-            SeqOutput(seq_id=seq_id, token_ids=sample.token_ids, logprobs=sample.logprobs)
-            for seq_id, sample in zip(sampled_ids, samples, strict=True)
-        ]
+        mirrors = self.mirrors
+        outputs = []
+        for seq_id, sample in zip(sampled_ids, samples, strict=True):
+            mirrors[seq_id].last_sample = sample.token_ids[0]  # what a feed_last_sample reads
+            outputs.append(SeqOutput(seq_id=seq_id, token_ids=sample.token_ids, logprobs=sample.logprobs))
         elapsed = time.perf_counter() - started
         return StepResult(step_id=plan.step_id, outputs=outputs, forward_seconds=elapsed), logits
 
@@ -160,11 +161,15 @@ class Worker:
                 sampled_ids.append(seq.seq_id)
         for seq in plan.continuing:
             mirror = self.mirrors.apply_delta(seq)
+            # Overlap scheduling: the token sampled last step, which the control plane has
+            # not seen yet. Any step consumes the previous sample (fed or superseded).
+            token_ids = [mirror.last_sample] if seq.feed_last_sample else seq.token_ids
+            mirror.last_sample = None
             scheduled.append(
-                self._scheduled(seq.seq_id, mirror.block_ids, seq.token_ids, seq.start_pos, seq.sample)
+                self._scheduled(seq.seq_id, mirror.block_ids, token_ids, seq.start_pos, seq.sample)
             )
             if seq.sample:
-                position = seq.start_pos + len(seq.token_ids)
+                position = seq.start_pos + len(token_ids)
                 # A chunked prompt's last chunk carries the n > 1 fan-out here.
                 rows.append(SamplingRow(mirror.sampling, mirror.sample_index, position, seq.num_samples))
                 sampled_ids.append(seq.seq_id)

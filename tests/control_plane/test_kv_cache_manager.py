@@ -99,7 +99,7 @@ def test_beam_width_2_copy_on_write_makes_exactly_one_copy():
     _prefill(kv, beam0)
     beam1 = make_seq([1, 2, 3, 4, 5])
     beam1.num_computed_tokens = beam0.num_computed_tokens
-    kv.fork(beam0, beam1)
+    kv.fork(beam0, beam1, beam0.num_computed_tokens)
     shared = kv.tables[beam0.seq_id][1]
     assert shared.ref_cnt == 2 and kv.tables[beam0.seq_id][0].ref_cnt == 2
     a0 = _decode(kv, beam0, 10)

@@ -128,7 +128,7 @@ def test_kv_manager_fork_cow_free_accounting(block_size, num_blocks, ops):
             child = make_seq(list(parent.token_ids))
             child.num_computed_tokens = parent.num_computed_tokens
             child.block_hashes = list(parent.block_hashes)
-            kv.fork(parent, child)
+            kv.fork(parent, child, parent.num_computed_tokens)
             seqs.append(child)
         elif op == "free" and seqs:
             kv.free(seqs.pop(pick % len(seqs)))

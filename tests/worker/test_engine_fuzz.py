@@ -2,17 +2,22 @@
 
 Random workloads -- small prompts over a tiny alphabet built from shared stems (prefix-cache
 hits), max_tokens 1..12, n 1..3, seeded temperature-1.0 sampling or greedy, ignore_eos,
-requests added and aborted between steps -- run twice with the same scheduler settings
-(block size, prefix caching, small token budget for chunked prefill, ...): once on a tight
-pool (just enough blocks for the workload's longest sequence plus 0..4), once on an ample
-pool where nothing is preempted. Properties:
+stop token ids (the scheduler's stops) and engine-side stops (ended by `finish_sample` after
+the step's outputs were handed out, as stop strings are), requests added and aborted between
+steps -- run four times with the same scheduler settings (block size, prefix caching, small
+token budget for chunked prefill, ...): on a tight pool (just enough blocks for the
+workload's longest sequence plus 0..4) and on an ample pool where nothing is preempted, each
+with the strict loop and with overlap scheduling (EngineCore(overlap=True): plan k+1 runs
+before step k's result is applied, stops are found one step late). Properties:
 
   - every plan the scheduler makes is accepted by the worker (a PlanError fails the test)
     and the scheduler's invariants hold at every step (check_invariants=True);
-  - a sample that was never aborted ends with LENGTH and exactly max_tokens tokens;
-  - seeded / greedy tokens are independent of batch composition and preemption
-    (worker/sampler.py), so every (request, index) gets the same tokens on both pools; an
-    abort lands at the same logical moment (after the same ops) in both runs but may catch
+  - a sample that was never aborted ends with STOP right after its first stop token, else
+    with LENGTH and exactly max_tokens tokens; no output follows a sample's finish; the
+    usage on the finishing output counts exactly the tokens handed out;
+  - seeded / greedy tokens are independent of batch composition, preemption and overlap
+    (worker/sampler.py), so every (request, index) gets the same tokens in all four runs; an
+    abort lands at the same logical moment (after the same ops) in every run but may catch
     a request at a different point of its progress, so the shorter token list must then be
     a prefix of the longer;
   - afterwards nothing leaked: every real block is free (free cached blocks count as free
@@ -32,7 +37,7 @@ from control_plane.invariants import check_all_free
 from control_plane.plan import SamplingParams
 from control_plane.request import FinishReason
 from control_plane.scheduler_config import SchedulerConfig
-from tests.worker.worker_test_utils import make_worker
+from tests.worker.worker_test_utils import VOCAB, make_worker
 
 CHECKPOINT = "qwen3-head-dim-tied"
 MAX_MODEL_LEN = 32
@@ -50,19 +55,17 @@ class Req:
     top_k: int
     top_p: float
     priority: int
+    stop_ids: tuple[int, ...] = ()  # the scheduler stops on these
+    engine_stops: tuple[int, ...] = ()  # the test ends the sample on these (finish_sample)
 
     def sampling(self) -> SamplingParams:
+        common = dict(max_tokens=self.max_tokens, n=self.n, ignore_eos=True, stop_token_ids=self.stop_ids)
         if self.seed is None:
-            return SamplingParams(max_tokens=self.max_tokens, n=self.n, temperature=0.0, ignore_eos=True)
-        return SamplingParams(
-            max_tokens=self.max_tokens,
-            n=self.n,
-            temperature=1.0,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            seed=self.seed,
-            ignore_eos=True,
-        )
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(temperature=1.0, top_k=self.top_k, top_p=self.top_p, seed=self.seed, **common)
+
+    def stops(self) -> frozenset[int]:
+        return frozenset(self.stop_ids + self.engine_stops)
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,8 @@ def workloads(draw) -> Workload:
             top_k=draw(st.sampled_from([0, 0, 5])),
             top_p=draw(st.sampled_from([1.0, 1.0, 0.9])),
             priority=draw(st.integers(0, 2)),
+            stop_ids=tuple(draw(st.lists(st.integers(0, VOCAB - 1), max_size=6))),
+            engine_stops=tuple(draw(st.lists(st.integers(0, VOCAB - 1), max_size=6))),
         )
 
     initial = tuple(req() for _ in range(draw(st.integers(1, 4))))
@@ -151,26 +156,38 @@ class RunResult:
     num_preemptions: int
 
 
-def run_workload(path, wl: Workload, num_blocks: int, max_steps: int = 2000) -> RunResult:
+def run_workload(path, wl: Workload, num_blocks: int, overlap: bool, max_steps: int = 2000) -> RunResult:
     worker = make_worker(path, block_size=wl.block_size, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN)
-    engine = EngineCore(worker, wl.config(), check_invariants=True)
+    engine = EngineCore(worker, wl.config(), check_invariants=True, overlap=overlap)
     sched = engine.scheduler
     tokens: dict[tuple[str, int], list[int]] = {}
     reasons: dict[tuple[str, int], FinishReason] = {}
     aborted: set[str] = set()
     ids: list[str] = []
+    reqs: dict[str, Req] = {}
 
     def collect(outputs) -> None:
         for out in outputs:
             key = (out.request_id, out.index)
             assert key not in reasons, f"{key} produced output after it finished ({reasons[key].name})"
-            tokens.setdefault(key, []).extend(out.new_token_ids)
+            got = tokens.setdefault(key, [])
+            got.extend(out.new_token_ids)
             if out.finish_reason is not None:
                 reasons[key] = out.finish_reason
+                assert out.usage is not None and out.usage.completion_tokens == len(got), (
+                    key,
+                    out.usage,
+                    got,
+                )
+            elif set(out.new_token_ids) & set(reqs[out.request_id].engine_stops):
+                # As the served engine ends a sample on a stop string: after the step's
+                # outputs were handed out (with overlap, the next step already ran).
+                collect([sched.finish_sample(out.request_id, out.index, FinishReason.STOP)])
 
     def add(req: Req) -> None:
         rid = f"r{len(ids)}"
         ids.append(rid)
+        reqs[rid] = req
         engine.add_request(rid, list(req.prompt), req.sampling(), priority=req.priority)
 
     for req in wl.initial:
@@ -185,7 +202,7 @@ def run_workload(path, wl: Workload, num_blocks: int, max_steps: int = 2000) -> 
             collect(sched.abort_request(ids[arg]))
             aborted.add(ids[arg])
     for _ in range(max_steps):
-        if not sched.has_pending_work():
+        if not engine.has_work():
             break
         collect(engine.step())
         if sched.requests and not sched.running and not sched.num_waiting and not sched.pending_finished:
@@ -201,30 +218,43 @@ def run_workload(path, wl: Workload, num_blocks: int, max_steps: int = 2000) -> 
     return RunResult(tokens, reasons, aborted, sched.num_preemptions)
 
 
-def check_workload(path, wl: Workload) -> tuple[RunResult, RunResult]:
-    tight = run_workload(path, wl, wl.tight_num_blocks())
-    ample = run_workload(path, wl, wl.ample_num_blocks())
-    assert ample.num_preemptions == 0
+def check_workload(path, wl: Workload) -> dict[str, RunResult]:
+    runs = {
+        f"{pool}{'+overlap' if overlap else ''}": run_workload(path, wl, num_blocks, overlap)
+        for pool, num_blocks in (("tight", wl.tight_num_blocks()), ("ample", wl.ample_num_blocks()))
+        for overlap in (False, True)
+    }
+    assert runs["ample"].num_preemptions == runs["ample+overlap"].num_preemptions == 0
+    reference = runs["ample"]
     for i, req in enumerate(wl.requests()):
         rid = f"r{i}"
         for index in range(req.n):
             key = (rid, index)
-            for name, run in (("tight", tight), ("ample", ample)):
-                got = run.tokens.get(key, [])
-                reason = run.reasons.get(key)
-                if rid in run.aborted:
-                    assert reason in (FinishReason.ABORT, FinishReason.LENGTH), (name, key, reason)
-                    assert len(got) <= req.max_tokens, (name, key, got)
+            for name, run in runs.items():
+                check_sample(
+                    name, key, req, run.tokens.get(key, []), run.reasons.get(key), rid in run.aborted
+                )
+                a, b = run.tokens.get(key, []), reference.tokens.get(key, [])
+                if rid in run.aborted or rid in reference.aborted:
+                    short, long_ = sorted((a, b), key=len)
+                    assert long_[: len(short)] == short, (key, name, a, "ample", b)
                 else:
-                    assert reason == FinishReason.LENGTH, (name, key, reason)
-                    assert len(got) == req.max_tokens, (name, key, got)
-            a, b = tight.tokens.get(key, []), ample.tokens.get(key, [])
-            if rid in tight.aborted or rid in ample.aborted:
-                short, long_ = sorted((a, b), key=len)
-                assert long_[: len(short)] == short, (key, "tight", a, "ample", b)
-            else:
-                assert a == b, (key, "tight", a, "ample", b)
-    return tight, ample
+                    assert a == b, (key, name, a, "ample", b)
+    return runs
+
+
+def check_sample(name: str, key, req: Req, got: list[int], reason, aborted: bool) -> None:
+    stops = req.stops()
+    first_stop = next((i for i, t in enumerate(got) if t in stops), None)
+    assert first_stop is None or first_stop == len(got) - 1, (name, key, "tokens after a stop", got)
+    if aborted:
+        assert reason in (FinishReason.ABORT, FinishReason.LENGTH, FinishReason.STOP), (name, key, reason)
+        assert len(got) <= req.max_tokens, (name, key, got)
+    elif first_stop is not None:  # (a stop on the max_tokens-th token: either reason)
+        assert reason == FinishReason.STOP or len(got) == req.max_tokens, (name, key, reason, got)
+    else:
+        assert reason == FinishReason.LENGTH, (name, key, reason)
+        assert len(got) == req.max_tokens, (name, key, got)
 
 
 # Found by this test: an n > 1 prompt whose prefill is chunked (4 tokens, budget 3) completes
@@ -242,9 +272,33 @@ CHUNKED_FAN_OUT = Workload(
 )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# max_tokens 1 and 2 under overlap: a length stop is known when step k+1 is planned (the
+# sequence sits it out); n > 1 forks while the parent's next step is already planned.
+SHORT_FAN_OUTS = Workload(
+    block_size=4,
+    extra_blocks=0,
+    prefix_caching=True,
+    budget=8,
+    max_num_seqs=8,
+    long_prefill_cap=0,
+    policy="throughput",
+    initial=(
+        Req((1, 2, 3, 0, 1, 2, 3, 0), max_tokens=1, n=3, seed=7, top_k=0, top_p=1.0, priority=0),
+        Req((1, 2, 3, 0, 1, 2, 3, 0, 1), max_tokens=2, n=3, seed=None, top_k=0, top_p=1.0, priority=1),
+        Req((1, 2, 3), max_tokens=2, n=1, seed=3, top_k=5, top_p=0.9, priority=0),
+    ),
+    ops=(
+        ("step", 1),
+        ("abort", 2),
+        ("add", Req((1, 2), max_tokens=2, n=2, seed=None, top_k=0, top_p=1.0, priority=0)),
+    ),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(wl=workloads())
 @example(wl=CHUNKED_FAN_OUT)
-def test_tight_pool_matches_ample_pool(checkpoint, wl):
+@example(wl=SHORT_FAN_OUTS)
+def test_overlap_and_tight_pools_match_the_strict_loop_on_an_ample_pool(checkpoint, wl):
     _, path = checkpoint(CHECKPOINT)
     check_workload(path, wl)
