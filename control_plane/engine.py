@@ -4,13 +4,15 @@ Used by tests, benchmarks and the single-process demo; the gRPC control plane ru
 schedule -> execute -> update cycle over a remote worker.
 
 `overlap=True` replays the served engine's overlap order of calls with a synchronous worker:
-plan k+1 is scheduled and executed before step k's result is applied (the worker's own
-order is unchanged), so a differential test can compare both loops on one scheduler.
+`plans_in_flight` plans are scheduled and executed before the oldest one's result is applied
+(the worker's own order is unchanged), so a differential test can compare both loops on one
+scheduler.
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
 from typing import Protocol
 
 from control_plane.invariants import check_plan, check_scheduler
@@ -36,10 +38,12 @@ class EngineCore:
         check_invariants: bool | None = None,
         *,
         overlap: bool = False,
+        plans_in_flight: int = 2,
     ) -> None:
         self.worker = worker
         self.overlap = overlap
-        self._in_flight: tuple[Plan, StepResult] | None = None  # overlap: executed, not applied
+        self.plans_in_flight = plans_in_flight if overlap else 1
+        self._in_flight: deque[tuple[Plan, StepResult]] = deque()  # executed, not applied
         self.scheduler = Scheduler(config or SchedulerConfig(), worker.describe())
         if check_invariants is None:
             check_invariants = os.environ.get("PAGEDKV_CHECK_INVARIANTS", "") == "1"
@@ -61,21 +65,16 @@ class EngineCore:
         """One step: schedule and execute a plan, and apply a result (with overlap: the
         previous step's; the new one waits in flight). Outputs of the result applied."""
         sched = self.scheduler
-        if self.overlap and self._in_flight is not None and not sched.has_pending_work():
-            return self._apply(*self._take_in_flight())  # drain: nothing left to plan
+        in_flight = self._in_flight
+        if in_flight and not sched.has_pending_work():
+            return self._apply(*in_flight.popleft())  # drain: nothing left to plan
         plan = sched.schedule()
         if self.check_invariants:
             check_plan(sched, plan)
             check_scheduler(sched)
         result = StepResult(plan.step_id) if plan.is_empty() else self.worker.execute(plan)
-        if not self.overlap:
-            return self._apply(plan, result)
-        previous, self._in_flight = self._in_flight, (plan, result)
-        return self._apply(*previous) if previous is not None else []
-
-    def _take_in_flight(self) -> tuple[Plan, StepResult]:
-        in_flight, self._in_flight = self._in_flight, None
-        return in_flight
+        in_flight.append((plan, result))
+        return self._apply(*in_flight.popleft()) if len(in_flight) >= self.plans_in_flight else []
 
     def _apply(self, plan: Plan, result: StepResult) -> list[RequestOutput]:
         outputs = self.scheduler.update(plan, result)
@@ -84,7 +83,7 @@ class EngineCore:
         return outputs
 
     def has_work(self) -> bool:
-        return self.scheduler.has_pending_work() or self._in_flight is not None
+        return self.scheduler.has_pending_work() or bool(self._in_flight)
 
     def run_to_completion(self, max_steps: int = 100_000) -> dict[tuple[str, int], list[int]]:
         """Step until every request ended; returns generated tokens per (request id, index)."""

@@ -9,10 +9,11 @@ One step:
 
 A sequence's `num_computed_tokens` advances when it is scheduled; its sampled token arrives in
 `update`. With overlap scheduling (the engine plans step k+1 before step k's result is in)
-a sequence sampled in step k has one *pending* token (`Sequence.num_pending`); step k+1
-computes it by `feed_last_sample` without knowing it, unless it will certainly end the
-sequence by length (then the sequence sits out the step). Stops found in `update(k)` are one
-step late: the token the worker sampled in k+1 for a finished sequence is dropped there.
+a sequence sampled in a step still in flight has a *pending* token (`Sequence.num_pending`,
+one per such step); the next plan computes the newest one by `feed_last_sample` without
+knowing it, unless the pending tokens will certainly end the sequence by length (then it
+sits out the step). Stops found in `update(k)` are late by the plans in flight: the tokens
+the worker sampled for a finished sequence in those plans are dropped there.
 
 Blocks are allocated on demand (a new one only when the last is full); a sequence
 preempted by recompute frees its blocks -- full ones stay cached -- and waits again with its
@@ -283,7 +284,7 @@ class Scheduler(SchedulerUpdate):
 
     def _emit(self, plan: Plan, seq: Sequence, num_new: int, alloc: Allocation) -> None:
         start = seq.num_computed_tokens
-        feed = start == seq.num_tokens  # its input is the pending sample (overlap scheduling)
+        feed = start >= seq.num_tokens  # its input is the newest pending sample (overlap)
         tokens = [] if feed else seq.token_ids[start : start + num_new]
         seq.num_computed_tokens = start + num_new
         sample = seq.num_computed_tokens == seq.num_tokens + seq.num_pending

@@ -177,7 +177,15 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
 
 
 # The control plane's limits and lifecycle: `serve` forwards these to its control child as is.
-CONTROL_LIMIT_FLAGS = ("max_queue", "max_n", "worker_grace", "step_timeout", "step_liveness", "no_overlap")
+CONTROL_LIMIT_FLAGS = (
+    "max_queue",
+    "max_n",
+    "worker_grace",
+    "step_timeout",
+    "step_liveness",
+    "no_overlap",
+    "plans_in_flight",
+)
 
 
 def _add_control_limits(p: argparse.ArgumentParser) -> None:
@@ -201,6 +209,14 @@ def _add_control_limits(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one plan in flight at a time (the strict loop): no planning of step k+1 while step k "
         "runs; for comparison and debugging (docs/ARCHITECTURE.md)",
+    )
+    p.add_argument(
+        "--plans-in-flight",
+        type=int,
+        choices=(2, 3, 4),
+        default=2,
+        help="with overlap: plans sent ahead of the result awaited; 3 when a worker step is shorter "
+        "than the plan/result round trip (sub-millisecond GPU decode steps)",
     )
 
 

@@ -163,7 +163,10 @@ async def _control_main(args) -> int:
         args.worker, step_timeout_s=args.step_timeout, security=worker_security, take_over=args.take_over
     )
     options = EngineOptions(
-        worker_grace_s=args.worker_grace, step_liveness_s=args.step_liveness, overlap=not args.no_overlap
+        worker_grace_s=args.worker_grace,
+        step_liveness_s=args.step_liveness,
+        overlap=not args.no_overlap,
+        plans_in_flight=args.plans_in_flight,
     )
     engine = AsyncEngine(worker, config, options)
     loop = asyncio.get_running_loop()

@@ -1,5 +1,6 @@
 """Overlap scheduling on the served stack: the same concurrent workload through a control plane
-with overlap (the default) and one with `--no-overlap` gives identical streams, no stream
+with overlap (the default, and with 3 plans in flight) and one with `--no-overlap` gives
+identical streams, no stream
 carries anything after its finish, usage is exact, and nothing leaks; a worker lost while two
 plans are in flight is recovered from like any other worker loss.
 
@@ -95,10 +96,12 @@ def _assert_nothing_leaked(stack) -> None:
 def test_overlap_streams_equal_the_strict_loop_under_concurrency(make_stack):
     overlap = make_stack(worker=WORKER, **CONFIG)
     strict = make_stack(worker=WORKER, options=EngineOptions(worker_grace_s=2.0, overlap=False), **CONFIG)
+    deeper = make_stack(worker=WORKER, options=EngineOptions(worker_grace_s=2.0, plans_in_flight=3), **CONFIG)
     requests = _workload(seed=13)
     got = _run(overlap, requests)
     _check_against_reference(requests, got)
     assert got == _run(strict, requests)
+    assert got == _run(deeper, requests)
     # Stop strings, matched on detokenized text after the step's tokens were streamed: with
     # overlap the next step has already run for that sample; its token must never show.
     texts = {kw["request_id"]: got[(kw["request_id"], 0)]["text"] for kw in requests}
@@ -117,7 +120,7 @@ def test_overlap_streams_equal_the_strict_loop_under_concurrency(make_stack):
         full_text = texts[kw["request_id"][:-1]]
         if s["finish"] == engine_pb2.FINISH_REASON_STOP:
             assert full_text.startswith(s["text"]) and full_text[len(s["text"])] == kw["stop"][0]
-    for stack in (overlap, strict):
+    for stack in (overlap, strict, deeper):
         _assert_nothing_leaked(stack)
     assert overlap.client.stats().num_preemptions > 0, "the pool should be tight enough to preempt"
 

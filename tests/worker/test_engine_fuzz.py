@@ -4,11 +4,11 @@ Random workloads -- small prompts over a tiny alphabet built from shared stems (
 hits), max_tokens 1..12, n 1..3, seeded temperature-1.0 sampling or greedy, ignore_eos,
 stop token ids (the scheduler's stops) and engine-side stops (ended by `finish_sample` after
 the step's outputs were handed out, as stop strings are), requests added and aborted between
-steps -- run four times with the same scheduler settings (block size, prefix caching, small
+steps -- run five times with the same scheduler settings (block size, prefix caching, small
 token budget for chunked prefill, ...): on a tight pool (just enough blocks for the
-workload's longest sequence plus 0..4) and on an ample pool where nothing is preempted, each
-with the strict loop and with overlap scheduling (EngineCore(overlap=True): plan k+1 runs
-before step k's result is applied, stops are found one step late). Properties:
+workload's longest sequence plus 0..4) and on an ample pool where nothing is preempted, with
+the strict loop and with overlap scheduling (EngineCore(overlap=True): 2 or 3 plans run
+before the oldest result is applied, so stops are found one or two steps late). Properties:
 
   - every plan the scheduler makes is accepted by the worker (a PlanError fails the test)
     and the scheduler's invariants hold at every step (check_invariants=True);
@@ -16,7 +16,7 @@ before step k's result is applied, stops are found one step late). Properties:
     with LENGTH and exactly max_tokens tokens; no output follows a sample's finish; the
     usage on the finishing output counts exactly the tokens handed out;
   - seeded / greedy tokens are independent of batch composition, preemption and overlap
-    (worker/sampler.py), so every (request, index) gets the same tokens in all four runs; an
+    (worker/sampler.py), so every (request, index) gets the same tokens in all five runs; an
     abort lands at the same logical moment (after the same ops) in every run but may catch
     a request at a different point of its progress, so the shorter token list must then be
     a prefix of the longer;
@@ -156,9 +156,12 @@ class RunResult:
     num_preemptions: int
 
 
-def run_workload(path, wl: Workload, num_blocks: int, overlap: bool, max_steps: int = 2000) -> RunResult:
+def run_workload(path, wl: Workload, num_blocks: int, in_flight: int, max_steps: int = 2000) -> RunResult:
+    """`in_flight`: plans executed before the oldest result is applied (1 = the strict loop)."""
     worker = make_worker(path, block_size=wl.block_size, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN)
-    engine = EngineCore(worker, wl.config(), check_invariants=True, overlap=overlap)
+    engine = EngineCore(
+        worker, wl.config(), check_invariants=True, overlap=in_flight > 1, plans_in_flight=in_flight
+    )
     sched = engine.scheduler
     tokens: dict[tuple[str, int], list[int]] = {}
     reasons: dict[tuple[str, int], FinishReason] = {}
@@ -219,13 +222,19 @@ def run_workload(path, wl: Workload, num_blocks: int, overlap: bool, max_steps: 
 
 
 def check_workload(path, wl: Workload) -> dict[str, RunResult]:
+    tight, ample = wl.tight_num_blocks(), wl.ample_num_blocks()
     runs = {
-        f"{pool}{'+overlap' if overlap else ''}": run_workload(path, wl, num_blocks, overlap)
-        for pool, num_blocks in (("tight", wl.tight_num_blocks()), ("ample", wl.ample_num_blocks()))
-        for overlap in (False, True)
+        f"{pool}+{in_flight}": run_workload(path, wl, num_blocks, in_flight)
+        for pool, num_blocks, in_flight in (
+            ("ample", ample, 1),
+            ("ample", ample, 2),
+            ("tight", tight, 1),
+            ("tight", tight, 2),
+            ("tight", tight, 3),
+        )
     }
-    assert runs["ample"].num_preemptions == runs["ample+overlap"].num_preemptions == 0
-    reference = runs["ample"]
+    assert runs["ample+1"].num_preemptions == runs["ample+2"].num_preemptions == 0
+    reference = runs["ample+1"]
     for i, req in enumerate(wl.requests()):
         rid = f"r{i}"
         for index in range(req.n):
