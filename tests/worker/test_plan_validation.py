@@ -97,7 +97,14 @@ def bad_plans(t1, t2):
             Plan(9, new=[new(3, [6], [1]), new(4, [6], [1])]),
             "copy-on-write",
         ),
+        "fed sample plus token ids": (Plan(9, continuing=[fed(1, 10, token_ids=[t1])]), "one or the other"),
+        "fed sample at the wrong position": (Plan(9, continuing=[fed(1, 9)]), "belongs at position 10"),
     }
+
+
+def fed(seq_id, start_pos, token_ids=()):
+    """Overlap scheduling: compute the token this worker sampled for `seq_id` last step."""
+    return ContinuingSequence(seq_id, [], [], list(token_ids), start_pos, True, feed_last_sample=True)
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +148,25 @@ def test_valid_edge_cases_are_accepted(checkpoint):
     assert worker.block_table(2) == (7, 8)
     worker.execute(Plan(11, continuing=[cont(1, [19, t1], 9)]))
     assert worker.mirrors[1].num_computed_tokens == 11
+
+
+def test_a_fed_sample_computes_exactly_what_sending_it_would(checkpoint):
+    """feed_last_sample is the worker's own last sample as input: same tokens, bit-identical
+    logits and mirrors as a plan that sends that token; it is consumed by the step."""
+    _, path = checkpoint("qwen3-head-dim-tied")
+    sent, t1, t2 = fresh_worker_with_history(path)
+    fed_worker, _, _ = fresh_worker_with_history(path)
+    expected, expected_logits = sent.execute_with_logits(
+        Plan(9, continuing=[cont(1, [t1], 10), cont(2, [t2], 6)])
+    )
+    got, logits = fed_worker.execute_with_logits(Plan(9, continuing=[fed(1, 10), fed(2, 6)]))
+    assert got.outputs == expected.outputs and torch.equal(logits, expected_logits)
+    assert snapshot(fed_worker) == snapshot(sent)
+    # Seq 2 steps without sampling (a chunk); then there is no sample to feed.
+    chunk = ContinuingSequence(2, [], [], [got.outputs[1].token_ids[0]], 7, False)
+    fed_worker.execute(Plan(10, continuing=[chunk]))
+    before = snapshot(fed_worker)
+    with pytest.raises(PlanError, match="did not sample it"):
+        fed_worker.execute(Plan(11, continuing=[fed(2, 8)]))
+    assert snapshot(fed_worker) == before
+    fed_worker.execute(Plan(12, continuing=[fed(1, 11)]))  # seq 1's sample from plan 9 is still there
