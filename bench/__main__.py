@@ -20,7 +20,16 @@ from tqdm import tqdm
 
 from bench.report import commit, machine, markdown
 
-SUITES = ["control_plane", "worker", "transport", "e2e", "memory", "prefix_cache", "preemption"]
+SUITES = [
+    "control_plane",
+    "worker",
+    "transport",
+    "e2e",
+    "overhead",
+    "memory",
+    "prefix_cache",
+    "preemption",
+]
 RESULTS = Path(__file__).parent / "results"
 
 

@@ -30,28 +30,42 @@ EXECUTE = "pagedkv_worker_execute_duration_seconds"
 
 
 class ProcessStack:
-    def __init__(self, config: SchedulerConfig, worker_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        worker_args: tuple[str, ...] = (),
+        control_args: tuple[str, ...] = (),
+        worker_command: list[str] | None = None,
+    ) -> None:
+        """`control_args` are appended to the `pagedkv control` command line; `worker_command`
+        is the argv prefix to start instead of `pagedkv worker` (it gets `--listen ADDR`, then
+        `worker_args`, `--ready-file PATH` and `--log-level warning`, and no `--metrics-port`)."""
         self._dir = Path(tempfile.mkdtemp(prefix="pkvp-"))  # short: unix paths are limited to ~107 bytes
         socket = f"unix://{self._dir}/worker.sock"
         self._procs: list[subprocess.Popen] = []
         try:
-            worker = self._spawn("worker", ["--listen", socket, "--metrics-port", "0", *worker_args])
-            self._metrics_url = worker["metrics_url"]
+            if worker_command is None:
+                worker = self._spawn("worker", ["--listen", socket, "--metrics-port", "0", *worker_args])
+            else:
+                worker = self._spawn("worker", ["--listen", socket, *worker_args], worker_command)
+            self._metrics_url = worker.get("metrics_url")
             control = ["--worker", socket, "--listen", "127.0.0.1:0"]
             control += ["--max-num-seqs", str(config.max_num_seqs)]
             control += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
             if not config.enable_prefix_caching:
                 control.append("--no-prefix-caching")
-            self.address = self._spawn("control", control)["address"]
+            self.address = self._spawn("control", [*control, *control_args])["address"]
             with Client(self.address) as client:
                 client.wait_ready(START_TIMEOUT_S)
         except BaseException:
             self.close()
             raise
 
-    def _spawn(self, command: str, args: list[str]) -> dict:
+    def _spawn(self, command: str, args: list[str], prefix: list[str] | None = None) -> dict:
         ready, log = self._dir / f"{command}.json", self._dir / f"{command}.log"
-        argv = [sys.executable, "-m", "pagedkv.cli", command, *args, "--ready-file", str(ready)]
+        what = f"pagedkv {command}" if prefix is None else " ".join(prefix)
+        prefix = prefix or [sys.executable, "-m", "pagedkv.cli", command]
+        argv = [*prefix, *args, "--ready-file", str(ready)]
         proc = subprocess.Popen(
             [*argv, "--log-level", "warning"], stdout=log.open("w"), stderr=subprocess.STDOUT
         )
@@ -59,14 +73,14 @@ class ProcessStack:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not ready.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"pagedkv {command} did not start (exit {proc.poll()}):\n{log.read_text()}"
-                )
+                raise RuntimeError(f"{what} did not start (exit {proc.poll()}):\n{log.read_text()}")
             time.sleep(0.05)
         return json.loads(ready.read_text())
 
     def worker_execute_seconds(self) -> float:
         """Total seconds the worker has spent executing plans since it started."""
+        if self._metrics_url is None:
+            raise RuntimeError("this stack's worker serves no metrics (a custom worker_command)")
         return scrape(self._metrics_url)[EXECUTE][f"{EXECUTE}_sum"]
 
     def log_tail(self, command: str, max_chars: int = 6000) -> str:

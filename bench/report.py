@@ -35,6 +35,14 @@ GOALS = (
     Goal("memory", "paged_max_waste_tokens_per_seq", "<=", 15, "paged KV waste per sequence (tokens)"),
     Goal("prefix_cache", "ttft_speedup", ">=", 8.0, "TTFT cold / warm, 512-token shared system prompt"),
     Goal("preemption", "all_completed", "==", True, "every request of a 3x-oversubscribed pool completes"),
+    Goal("overhead", "itl_c1_ratio_overlap", "<=", 1.05,
+         "ITL at 1 client, served (overlap) / worker-direct (CPU worker)"),
+    Goal("overhead", "tps_c64_ratio_overlap", ">=", 0.95,
+         "tokens/s at 64 clients, served (overlap) / worker-direct (CPU worker)"),
+    Goal("overhead", "paced0.5_overlap_ideal_ratio", ">=", 0.9,
+         "steps/s at 1 client / ideal, served (overlap), worker paced at 0.5 ms a step"),
+    Goal("overhead", "paced0.5_overlap3_ideal_ratio", ">=", 0.9,
+         "the same with --plans-in-flight 3"),
 )  # fmt: skip
 
 
