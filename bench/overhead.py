@@ -5,11 +5,10 @@ three ways on the real CPU worker: worker-direct (EngineCore + Worker in the ben
 the floor), served with `pagedkv control --no-overlap` (one plan at a time) and served with overlap
 (the default), each served way as two OS processes (bench/process_stack.py) behind AsyncClient
 streams; the three run interleaved per concurrency level. Figures: ITL p50 at 1 client, tokens/s at
-16 and 64 clients, served / direct ratios (median of the per-round ratios). Then the same three ways
-with a paced stand-in worker whose every step takes a fixed 0.5, 2 or 10 ms (bench/paced_worker.py:
-a GPU's shape) give steps/s at 1 client against the ideal 1 / step time, adding a fourth way:
-overlap with 3 plans in flight (`--plans-in-flight 3`), which a step shorter than the gRPC
-round trip needs.
+16 and 64 clients, served / direct ratios (median of the per-round ratios). Then the same ways, plus
+overlap with three plans in flight (`--plans-in-flight 3`), with a paced stand-in worker whose every
+step takes a fixed 0.5, 2 or 10 ms (bench/paced_worker.py: a GPU's shape) give steps/s at 1 client
+against the ideal 1 / step time.
 
 ITL is the gap between token messages of one request divided by the tokens in the later one
 (as in bench/e2e.py); in the direct loop a "message" is one `EngineCore.step()` output, so its

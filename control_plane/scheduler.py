@@ -347,7 +347,14 @@ class Scheduler(SchedulerUpdate):
     def block_tables(self, request_id: str) -> list[SequenceTable]:
         req = self._get(request_id)
         return [
-            SequenceTable(s.sample_index, self.kv.block_ids(s.seq_id), s.num_tokens, s.num_computed_tokens)
+            SequenceTable(
+                s.sample_index,
+                self.kv.block_ids(s.seq_id),
+                s.num_tokens,
+                min(
+                    s.num_computed_tokens, s.num_tokens
+                ),  # overlap: pending samples' slots are not tokens yet
+            )
             for s in req.sequences
             if not s.is_finished
         ]
