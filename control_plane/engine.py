@@ -3,8 +3,8 @@
 Used by tests, benchmarks and the single-process demo; the gRPC control plane runs the same
 schedule -> execute -> update cycle over a remote worker.
 
-`overlap=True` replays the served engine's overlap order of calls with a synchronous worker:
-`plans_in_flight` plans are scheduled and executed before the oldest one's result is applied
+`plans_in_flight > 1` replays the served engine's overlap order of calls with a synchronous
+worker: that many plans are scheduled and executed before the oldest one's result is applied
 (the worker's own order is unchanged), so a differential test can compare both loops on one
 scheduler.
 """
@@ -37,12 +37,10 @@ class EngineCore:
         config: SchedulerConfig | None = None,
         check_invariants: bool | None = None,
         *,
-        overlap: bool = False,
-        plans_in_flight: int = 2,
+        plans_in_flight: int = 1,
     ) -> None:
         self.worker = worker
-        self.overlap = overlap
-        self.plans_in_flight = plans_in_flight if overlap else 1
+        self.plans_in_flight = plans_in_flight  # 1 = the strict loop
         self._in_flight: deque[tuple[Plan, StepResult]] = deque()  # executed, not applied
         self.scheduler = Scheduler(config or SchedulerConfig(), worker.describe())
         if check_invariants is None:
@@ -63,7 +61,7 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """One step: schedule and execute a plan, and apply a result (with overlap: the
-        previous step's; the new one waits in flight). Outputs of the result applied."""
+        oldest in flight's). Outputs of the result applied."""
         sched = self.scheduler
         in_flight = self._in_flight
         if in_flight and not sched.has_pending_work():

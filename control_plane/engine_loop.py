@@ -8,15 +8,15 @@
                                                                        │
                     RequestStream queues ◀── text, stop strings ◀──────┘
 
-Overlap scheduling (the default; `EngineOptions.overlap`, `--no-overlap`): the loop keeps
-`plans_in_flight` (default 2) plans in flight. When result k arrives it runs `update(k)`, then
+Overlap scheduling (the default): the loop keeps `EngineOptions.plans_in_flight` (default 2)
+plans in flight. When result k arrives it runs `update(k)`, then
 plans and sends step k+2 -- the worker is busy with k+1 meanwhile -- and only then streams
 step k's tokens (text, stop strings). A decode whose last token is still on its way is
 planned with `feed_last_sample` (control_plane.plan); stops are therefore found one step late
 and the extra token is dropped in `update` (control_plane.scheduler_update). 3 in flight
 hides a transport round trip longer than a step (`--plans-in-flight 3`, for steps shorter
-than ~1 ms: docs/ARCHITECTURE.md). `--no-overlap` keeps one plan in flight and streams before
-planning: the strict loop, for comparison and debugging.
+than ~1 ms: docs/ARCHITECTURE.md). 1 in flight (`--no-overlap`) streams before planning: the
+strict loop, for comparison and debugging.
 
 Concurrency model: a single event loop thread. Only the loop task calls `schedule`, `update`
 and `on_worker_lost`; handlers call `add_request` / `abort_request` at await points, i.e.
@@ -68,8 +68,6 @@ class AsyncWorker(Protocol):
 
     async def describe(self, timeout: float | None = None) -> WorkerInfo: ...
 
-    async def execute(self, plan: Plan, expected_instance_id: str = "") -> StepResult: ...
-
     async def send(self, plan: Plan, expected_instance_id: str = "") -> None: ...
 
     async def receive(self) -> StepResult: ...
@@ -98,8 +96,9 @@ class EngineOptions:
     # A step in flight longer than this turns health NOT_SERVING (and refuses new requests)
     # until it completes: a wedged worker is visible to probes long before the step timeout.
     step_liveness_s: float = 30.0
-    overlap: bool = True  # plan step k+1 while step k runs; see the module docstring
-    plans_in_flight: int = 2  # with overlap: plans sent ahead of the result awaited, 2..4
+    # Plans sent ahead of the result awaited: 1 = the strict loop, >= 2 = overlap scheduling
+    # (plan step k+1 while step k runs); see the module docstring.
+    plans_in_flight: int = 2
 
 
 class _StepFailed(Exception):
@@ -269,8 +268,8 @@ class AsyncEngine(EngineRequests):
 
     async def _steps(self) -> None:
         sched = self.scheduler
-        overlap = self.options.overlap
-        depth = max(2, self.options.plans_in_flight) if overlap else 1
+        depth = self.options.plans_in_flight
+        overlap = depth > 1
         in_flight: deque[tuple[Plan, float]] = deque()  # (plan, sent at): lost with any failure
         last_result_at = 0.0
         while not self._stopping:

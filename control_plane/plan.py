@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import ClassVar
 
 NULL_BLOCK_ID = 0
 """Block 0 is never allocated to a request and never cached; padded table slots point at it."""
@@ -96,6 +97,7 @@ class NewSequence:
     sample: bool  # sample after this chunk (false for a non-final prefill chunk)
     sample_index: int = 0  # which of the request's n samples this sequence is (seeds differ)
     num_samples: int = 1  # sample this many tokens from the last logits (fan-out for n > 1)
+    feed_last_sample: ClassVar[bool] = False  # a new sequence has no sample to feed
 
     @property
     def num_inputs(self) -> int:

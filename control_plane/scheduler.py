@@ -169,8 +169,7 @@ class Scheduler(SchedulerUpdate):
 
     # -- scheduling ---------------------------------------------------------------------
     def schedule(self) -> Plan:
-        self.num_steps += 1
-        plan = Plan(step_id=self.num_steps)
+        plan = Plan(step_id=self.num_steps + 1)
         budget = self.config.max_num_batched_tokens
         if self._running_dirty:
             self.running.sort(key=lambda s: (s.request.priority, s.admitted_at))
@@ -180,8 +179,8 @@ class Scheduler(SchedulerUpdate):
             self._schedule_waiting(plan, budget)
         plan.finished = self.pending_finished
         self.pending_finished = []
-        if plan.is_empty():
-            self.num_steps -= 1  # never sent: steps count the plans a worker runs
+        if not plan.is_empty():  # an empty plan is never sent: steps count the plans a worker runs
+            self.num_steps += 1
         return plan
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
@@ -198,7 +197,7 @@ class Scheduler(SchedulerUpdate):
         while i < len(running) and budget > 0:
             seq = running[i]
             is_decode = _to_compute(seq) == 1
-            if is_decode and seq.num_pending and self._ends_by_length(seq):
+            if is_decode and seq.num_pending and self._reaches_length(seq, seq.num_tokens + seq.num_pending):
                 reserve -= 1  # its pending token finishes it: nothing left to compute
                 i += 1
                 continue
@@ -232,12 +231,6 @@ class Scheduler(SchedulerUpdate):
             i += 1
         return budget, preempted
 
-    def _ends_by_length(self, seq: Sequence) -> bool:
-        """Its pending tokens alone reach max_tokens or the max model length."""
-        num_tokens = seq.num_tokens + seq.num_pending
-        sampling = seq.request.sampling
-        return num_tokens - seq.num_prompt_tokens >= sampling.max_tokens or num_tokens >= self.max_model_len
-
     def _may_admit(self) -> bool:
         if self.config.policy == "latency":
             # Finish running decodes before admitting new prefills (flat inter-token latency).
@@ -266,7 +259,7 @@ class Scheduler(SchedulerUpdate):
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_hit
             seq.status = SeqStatus.RUNNING
-            seq.admitted_at = self.num_steps
+            seq.admitted_at = plan.step_id
             seq.num_computed_tokens = num_hit
             self.running.append(seq)
             self._running_dirty = True

@@ -58,18 +58,21 @@ class SchedulerUpdate:
     def _append(self, seq: Sequence, token: int) -> bool:
         """Append one sampled token; finish the sequence if it hit a stop. True if finished."""
         seq.token_ids.append(token)
-        req = seq.request
-        if token in req.stop_ids:
+        if token in seq.request.stop_ids:
             reason = FinishReason.STOP
-        elif (
-            seq.num_tokens - req.num_prompt_tokens >= req.sampling.max_tokens
-            or seq.num_tokens >= self.max_model_len
-        ):
+        elif self._reaches_length(seq, seq.num_tokens):
             reason = FinishReason.LENGTH
         else:
             return False
         self._finish(seq, reason)
         return True
+
+    def _reaches_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """`num_tokens` tokens would end `seq` by max_tokens or the model's max length."""
+        return (
+            num_tokens - seq.num_prompt_tokens >= seq.request.sampling.max_tokens
+            or num_tokens >= self.max_model_len
+        )
 
     def _fan_out(self, parent: Sequence, tokens: list[int], logprobs, outputs: list[RequestOutput]) -> bool:
         """n > 1: children share every prompt block of the parent (copy-on-write later).

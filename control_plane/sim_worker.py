@@ -131,7 +131,7 @@ class SimWorker:
     def _inputs(self, s) -> list[int]:
         """The step's input tokens; a fed sample is consumed, as every step consumes the last one."""
         last = self.last_sample.pop(s.seq_id, None)
-        if getattr(s, "feed_last_sample", False):
+        if s.feed_last_sample:
             if last is None:
                 raise ValueError(f"sequence {s.seq_id} feeds a last sample it does not have")
             return [last]

@@ -165,8 +165,7 @@ async def _control_main(args) -> int:
     options = EngineOptions(
         worker_grace_s=args.worker_grace,
         step_liveness_s=args.step_liveness,
-        overlap=not args.no_overlap,
-        plans_in_flight=args.plans_in_flight,
+        plans_in_flight=1 if args.no_overlap else args.plans_in_flight,
     )
     engine = AsyncEngine(worker, config, options)
     loop = asyncio.get_running_loop()

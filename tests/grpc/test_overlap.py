@@ -95,7 +95,7 @@ def _assert_nothing_leaked(stack) -> None:
 
 def test_overlap_streams_equal_the_strict_loop_under_concurrency(make_stack):
     overlap = make_stack(worker=WORKER, **CONFIG)
-    strict = make_stack(worker=WORKER, options=EngineOptions(worker_grace_s=2.0, overlap=False), **CONFIG)
+    strict = make_stack(worker=WORKER, options=EngineOptions(worker_grace_s=2.0, plans_in_flight=1), **CONFIG)
     deeper = make_stack(worker=WORKER, options=EngineOptions(worker_grace_s=2.0, plans_in_flight=3), **CONFIG)
     requests = _workload(seed=13)
     got = _run(overlap, requests)

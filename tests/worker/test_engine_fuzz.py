@@ -7,7 +7,7 @@ the step's outputs were handed out, as stop strings are), requests added and abo
 steps -- run five times with the same scheduler settings (block size, prefix caching, small
 token budget for chunked prefill, ...): on a tight pool (just enough blocks for the
 workload's longest sequence plus 0..4) and on an ample pool where nothing is preempted, with
-the strict loop and with overlap scheduling (EngineCore(overlap=True): 2 or 3 plans run
+the strict loop and with overlap scheduling (EngineCore(plans_in_flight=2 or 3): that many plans run
 before the oldest result is applied, so stops are found one or two steps late). Properties:
 
   - every plan the scheduler makes is accepted by the worker (a PlanError fails the test)
@@ -159,9 +159,7 @@ class RunResult:
 def run_workload(path, wl: Workload, num_blocks: int, in_flight: int, max_steps: int = 2000) -> RunResult:
     """`in_flight`: plans executed before the oldest result is applied (1 = the strict loop)."""
     worker = make_worker(path, block_size=wl.block_size, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN)
-    engine = EngineCore(
-        worker, wl.config(), check_invariants=True, overlap=in_flight > 1, plans_in_flight=in_flight
-    )
+    engine = EngineCore(worker, wl.config(), check_invariants=True, plans_in_flight=in_flight)
     sched = engine.scheduler
     tokens: dict[tuple[str, int], list[int]] = {}
     reasons: dict[tuple[str, int], FinishReason] = {}
