@@ -180,7 +180,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.lease.stream_closed(owner)
 
     async def _read_plans(self, request_iterator, owner: str, run: _StreamRun, queue: asyncio.Queue) -> None:
-        """Check, decode and queue each plan on the step thread; a refusal ends the reading."""
+        """Check, decode and queue each plan on the step thread; a refusal or a plan that does
+        not decode ends the reading, so no later plan is queued; earlier ones still run."""
         loop = asyncio.get_running_loop()
         try:
             async for request in request_iterator:
@@ -190,13 +191,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     return
                 try:
                     plan = decode_plan(request)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001 -- answered in order, as the step's failure
                     future = loop.create_future()
                     future.set_exception(e)
-                else:
-                    future = loop.run_in_executor(
-                        self._executor, self._timed_execute, self._worker, plan, run
-                    )
+                    queue.put_nowait((request.step_id, future))
+                    return
+                future = loop.run_in_executor(self._executor, self._timed_execute, self._worker, plan, run)
                 queue.put_nowait((request.step_id, future))
         finally:
             queue.put_nowait(None)
