@@ -157,6 +157,12 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
     )
     p.add_argument("--max-model-len", type=_positive, help="cap on prompt + output tokens (default: model's)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run decode eagerly (CUDA backend)")
+    p.add_argument(
+        "--cpu-kernels",
+        choices=("fast", "reference"),
+        default="fast",
+        help="CPU forward: fused kernels, or the plain torch reference (the oracle)",
+    )
     if not for_serve:  # serve derives it from --max-num-seqs
         p.add_argument(
             "--cuda-graph-max-batch-size",

@@ -77,6 +77,7 @@ def worker_config_from_args(args):
         seed=args.seed,
         cuda_graph=not args.no_cuda_graph,
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
+        cpu_kernels=args.cpu_kernels,
     )
     config.validate()
     return config

@@ -25,8 +25,10 @@ from control_plane.plan import KVLayout, Plan, SeqOutput, StepResult, WorkerInfo
 from kernels.driver import KernelLoadError
 from kernels.nvrtc import KernelCompileError
 from kernels.specs import AttentionGeometry
+from pagedkv.logs import get_logger
 from worker.backends import get_backend
 from worker.batch import ScheduledSequence, build_model_inputs
+from worker.cpu_forward import FastCpuForward, fast_forward_unavailable
 from worker.cuda_graph import DecodeGraphRunner
 from worker.errors import WorkerConfigError
 from worker.kv_cache import KVCacheSpec, create_kv_cache
@@ -43,6 +45,8 @@ from worker.worker_config import (
     resolve_max_model_len,
     resolve_model_dir,
 )
+
+log = get_logger("pagedkv.worker")
 
 
 class Worker:
@@ -85,6 +89,7 @@ class Worker:
             contiguous=config.layout == KVLayout.CONTIGUOUS,
         )
         self.decode_graphs = self._prepare_cuda()
+        self.fast_forward = self._prepare_fast_forward()
         self.mirrors = SequenceMirrors()
         self.sampler = Sampler(config.seed)
         self.instance_id = uuid.uuid4().hex
@@ -108,12 +113,14 @@ class Worker:
         started = time.perf_counter()
         with torch.inference_mode():
             if self.decode_graphs is not None and self.decode_graphs.accepts(scheduled):
-                sampling_hidden = self.decode_graphs.forward(scheduled)
+                logits = self.model.compute_logits(self.decode_graphs.forward(scheduled))
             else:
                 inputs = build_model_inputs(scheduled, self.kv_cache.addressing_block_size, self.device)
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
-                sampling_hidden = hidden[inputs.logits_indices]
-            logits = self.model.compute_logits(sampling_hidden)
+                if self.fast_forward is not None:
+                    logits = self.fast_forward.compute_logits(self.fast_forward(inputs, self.kv_cache))
+                else:
+                    hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
+                    logits = self.model.compute_logits(hidden[inputs.logits_indices])
             samples = self.sampler.sample(logits, rows)
         mirrors = self.mirrors
         outputs = []
@@ -206,6 +213,24 @@ class Worker:
         return DecodeGraphRunner(
             self.model, self.kv_cache, self.max_model_len, self.config.cuda_graph_max_batch_size, self.device
         )
+
+    def _prepare_fast_forward(self) -> FastCpuForward | None:
+        """The fused CPU forward when configured and possible; otherwise the reference model
+        serves (a warning says why, so a slow CPU worker is never a silent surprise)."""
+        if self.device.type != "cpu" or self.config.cpu_kernels != "fast":
+            return None
+        reason = fast_forward_unavailable(self.model, self.device, self.dtype)
+        if reason is not None:
+            log.warning("worker.cpu_kernels_reference", reason=f"fast CPU forward unavailable: {reason}")
+            return None
+        return FastCpuForward(self.model)
+
+    @property
+    def forward_kind(self) -> str:
+        """Which forward executes plans: "cuda", "cpu-fast" or "cpu-reference"."""
+        if self.device.type == "cuda":
+            return "cuda"
+        return "cpu-fast" if self.fast_forward is not None else "cpu-reference"
 
     def _describe(self) -> WorkerInfo:
         config = self.model_config

@@ -1,7 +1,8 @@
 """The worker's greedy output equals Hugging Face transformers' generate() exactly, and its
 logits agree within 1e-4 (relative), however the tokens are split into plans: block sizes
 1/4/16, chunked prefill, mixed prefill+decode batches, prefix-cache hits, copy-on-write
-forks, and preemption by recompute."""
+forks, and preemption by recompute. The default (fast) CPU forward runs every scenario; the
+first two also run on the reference forward, the oracle the fast one replaced."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.worker.worker_test_utils import (
 )
 
 BLOCK_SIZES = [1, 4, 16]
+CPU_KERNELS = ["fast", "reference"]
 SCENARIO_MODELS = ["qwen3-head-dim-tied", "qwen2-mqa-bias", "llama-gqa-derived-head-dim"]
 
 
@@ -39,11 +41,12 @@ def check_against_hf(hf_model, seq, prompt_len: int) -> None:
         assert_logits_close(row, reference[first + k])
 
 
+@pytest.mark.parametrize("cpu_kernels", CPU_KERNELS)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
-def test_greedy_generation_matches_transformers(checkpoint, name, block_size):
+def test_greedy_generation_matches_transformers(checkpoint, name, block_size, cpu_kernels):
     hf_model, path = checkpoint(name)
-    driver = PlanDriver(make_worker(path, block_size))
+    driver = PlanDriver(make_worker(path, block_size, cpu_kernels=cpu_kernels))
     seq = driver.add(1, prompt(21, seed=1))
     driver.step({1: None})
     driver.decode([1], 9)
@@ -51,11 +54,12 @@ def test_greedy_generation_matches_transformers(checkpoint, name, block_size):
     check_against_hf(hf_model, seq, 21)
 
 
+@pytest.mark.parametrize("cpu_kernels", CPU_KERNELS)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("name", SCENARIO_MODELS)
-def test_chunked_prefill(checkpoint, name, block_size):
+def test_chunked_prefill(checkpoint, name, block_size, cpu_kernels):
     hf_model, path = checkpoint(name)
-    driver = PlanDriver(make_worker(path, block_size))
+    driver = PlanDriver(make_worker(path, block_size, cpu_kernels=cpu_kernels))
     seq = driver.add(1, prompt(23, seed=2))
     for chunk in (5, 9, 2):
         result = driver.step({1: chunk})

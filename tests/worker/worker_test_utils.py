@@ -12,11 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
 from control_plane.plan import ContinuingSequence, NewSequence, Plan, SamplingParams, StepResult
 from worker import Worker, WorkerConfig
+from worker.cpu_forward import fast_forward_unavailable
 
 GREEDY = SamplingParams(temperature=0.0)
 VOCAB = 128
@@ -138,9 +140,15 @@ def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rel: float
 
 
 def make_worker(model_dir: Path, block_size: int, **overrides) -> Worker:
+    """A CPU worker on `model_dir`. A test that asks for cpu_kernels="fast" skips (with the
+    reason) where the fast forward cannot run, rather than silently testing the reference."""
     settings = dict(model=str(model_dir), block_size=block_size, num_blocks=1024)
     settings.update(overrides)
-    return Worker(WorkerConfig(**settings))
+    worker = Worker(WorkerConfig(**settings))
+    if overrides.get("cpu_kernels") == "fast" and worker.forward_kind != "cpu-fast":
+        reason = fast_forward_unavailable(worker.model, worker.device, worker.dtype)
+        pytest.skip(f"fast CPU forward unavailable here: {reason}")
+    return worker
 
 
 @dataclass

@@ -1,0 +1,236 @@
+/* The fast CPU worker's fused fp32 kernels (compiled at run time by kernels/cpu_build.py with the
+ * host's C compiler: -O3 -march=native -fopenmp; called through ctypes, which drops the GIL).
+ *
+ * Each function is one pass over its data where the torch reference path makes several:
+ *   rms_norm            out = x / rms(x) * w
+ *   add_rms_norm        residual += delta; out = rms_norm(residual)           (one read of each)
+ *   qkv_rope_store      per token: [q/k RMSNorm per head], RoPE on q and k, K/V stored at the
+ *                       token's slot, q written out                          (replaces ~12 ops)
+ *   silu_mul            out = silu(gate) * up from the fused gate|up GEMM output
+ *   paged_attention     causal varlen attention straight from the paged pool: no gather, no
+ *                       per-sequence launches; each (token, kv head) item reads every context
+ *                       key once for all the query heads of its GQA group.
+ *
+ * Shapes are those of worker/backends/base.py. Threads: OpenMP, with the count passed by the
+ * caller; libgomp is the one torch already loaded (same SONAME), so both share one pool.
+ * Reduction order does not depend on the block size, so paged and contiguous layouts (a row =
+ * one big block) give bit-identical results.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define RESTRICT __restrict__
+
+/* e^x to ~2 ulp in branch-free arithmetic the compiler vectorizes (libm's expf is a scalar
+ * call): x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (truncation
+ * error < 1.2e-7 relative), 2^n assembled in the exponent bits. Inputs are clamped to the
+ * normal range; softmax and SiLU need nothing outside it. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float t = x * 1.44269504088896341f + shifter;
+    float n = t - shifter;
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+static inline float sum_squares(const float *RESTRICT x, int64_t n) {
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; ++i) acc += x[i] * x[i];
+    return acc;
+}
+
+static inline void scale_by(float *RESTRICT out, const float *RESTRICT x, const float *RESTRICT w,
+                            float inv_rms, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv_rms);
+}
+
+void rms_norm(float *out, const float *x, const float *w, int64_t rows, int64_t dim, float eps,
+              int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * dim;
+        float inv_rms = 1.f / sqrtf(sum_squares(xr, dim) / (float)dim + eps);
+        scale_by(out + r * dim, xr, w, inv_rms, dim);
+    }
+}
+
+void add_rms_norm(float *residual, const float *delta, float *out, const float *w, int64_t rows,
+                  int64_t dim, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *xr = residual + r * dim;
+        const float *dr = delta + r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) xr[i] += dr[i];
+        float inv_rms = 1.f / sqrtf(sum_squares(xr, dim) / (float)dim + eps);
+        scale_by(out + r * dim, xr, w, inv_rms, dim);
+    }
+}
+
+/* Rotate-half RoPE of one head (optionally RMS-normalized first) from src into dst. */
+static inline void norm_rope_head(float *RESTRICT dst, const float *RESTRICT src,
+                                  const float *RESTRICT norm_w, const float *RESTRICT cos_t,
+                                  const float *RESTRICT sin_t, int64_t dim, float eps) {
+    float buf[512];
+    const float *x = src;
+    if (norm_w) {
+        float inv_rms = 1.f / sqrtf(sum_squares(src, dim) / (float)dim + eps);
+        scale_by(buf, src, norm_w, inv_rms, dim);
+        x = buf;
+    }
+    int64_t half = dim / 2;
+#pragma omp simd
+    for (int64_t j = 0; j < half; ++j) {
+        float x1 = x[j], x2 = x[j + half];
+        dst[j] = x1 * cos_t[j] - x2 * sin_t[j];
+        dst[j + half] = x2 * cos_t[j] + x1 * sin_t[j];
+    }
+}
+
+/* qkv [T, (H + 2 KV) * D] (the fused projection's output); cos/sin [T, D/2]; slots int64 [T]
+ * (< 0: no store); caches [blocks * block_size, KV, D] viewed flat; q_out [T, H, D]. */
+void qkv_rope_store(const float *qkv, const float *cos, const float *sin, const int64_t *slots,
+                    const float *q_norm_w, const float *k_norm_w, float *q_out, float *k_cache,
+                    float *v_cache, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
+                    float eps, int threads) {
+    const int64_t width = (heads + 2 * kv_heads) * dim, half = dim / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens >= 8)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *row = qkv + t * width, *cos_t = cos + t * half, *sin_t = sin + t * half;
+        for (int64_t h = 0; h < heads; ++h)
+            norm_rope_head(q_out + (t * heads + h) * dim, row + h * dim, q_norm_w, cos_t, sin_t, dim,
+                           eps);
+        int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const float *k = row + heads * dim, *v = k + kv_heads * dim;
+        float *k_dst = k_cache + slot * kv_heads * dim;
+        for (int64_t h = 0; h < kv_heads; ++h)
+            norm_rope_head(k_dst + h * dim, k + h * dim, k_norm_w, cos_t, sin_t, dim, eps);
+        memcpy(v_cache + slot * kv_heads * dim, v, (size_t)(kv_heads * dim) * sizeof(float));
+    }
+}
+
+void silu_mul(float *out, const float *gate_up, int64_t rows, int64_t inner, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gate_up + r * 2 * inner, *u = g + inner;
+        float *o = out + r * inner;
+#pragma omp simd
+        for (int64_t i = 0; i < inner; ++i) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+    }
+}
+
+#define MAX_HEADS_X_DIM 8192 /* heads * head_dim of one token's accumulators (32 KiB) */
+#define KEY_CHUNK 16
+
+/* Online-softmax attention of every query head of one token that sees keys 0..num_keys-1 of its
+ * sequence. One work item per token, not per (token, head): each key's pool row (all kv heads,
+ * contiguous) is read once, front to back, so the hardware prefetcher streams whole blocks; a
+ * per-head item reads a quarter of each row at a 1 KiB stride, which measured 4.6x slower on
+ * pools larger than the caches. Keys are visited in chunks of KEY_CHUNK positions (not blocks),
+ * so the arithmetic is the same whatever the block size. */
+static inline __attribute__((always_inline)) void attend_impl(
+    float *RESTRICT out, const float *RESTRICT q, const float *RESTRICT k_cache,
+    const float *RESTRICT v_cache, const int32_t *RESTRICT table, int64_t num_keys, int64_t heads,
+    int64_t kv_heads, int64_t dim, int64_t block_size, float scale) {
+    float acc[MAX_HEADS_X_DIM];
+    float max_score[MAX_HEADS_X_DIM / 32], denom[MAX_HEADS_X_DIM / 32];
+    float scores[MAX_HEADS_X_DIM / 32][KEY_CHUNK];
+    int64_t rows[KEY_CHUNK]; /* element offset of each chunk key's row in the pools */
+    const int64_t group = heads / kv_heads, row_stride = kv_heads * dim;
+    memset(acc, 0, (size_t)(heads * dim) * sizeof(float));
+    for (int64_t h = 0; h < heads; ++h) max_score[h] = -INFINITY, denom[h] = 0.f;
+    int64_t block = 0, offset = 0;
+    for (int64_t start = 0; start < num_keys; start += KEY_CHUNK) {
+        int64_t n = num_keys - start < KEY_CHUNK ? num_keys - start : KEY_CHUNK;
+        for (int64_t j = 0; j < n; ++j) { /* no division per key: walk (block, offset) */
+            rows[j] = ((int64_t)table[block] * block_size + offset) * row_stride;
+            if (++offset == block_size) offset = 0, ++block;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const float *krow = k_cache + rows[j];
+            for (int64_t h = 0; h < heads; ++h) {
+                const float *qh = q + h * dim, *kh = krow + (h / group) * dim;
+                float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < dim; ++d) s += qh[d] * kh[d];
+                scores[h][j] = s * scale;
+            }
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+            float *sh = scores[h], chunk_max = max_score[h];
+            for (int64_t j = 0; j < n; ++j) chunk_max = sh[j] > chunk_max ? sh[j] : chunk_max;
+            float rescale = exp_approx(max_score[h] - chunk_max); /* ~0 on the first chunk */
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < n; ++j) {
+                sh[j] = exp_approx(sh[j] - chunk_max);
+                sum += sh[j];
+            }
+            denom[h] = denom[h] * rescale + sum;
+            max_score[h] = chunk_max;
+            float *ah = acc + h * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) ah[d] *= rescale;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const float *vrow = v_cache + rows[j];
+            for (int64_t h = 0; h < heads; ++h) {
+                const float *vh = vrow + (h / group) * dim;
+                float p = scores[h][j], *ah = acc + h * dim;
+#pragma omp simd
+                for (int64_t d = 0; d < dim; ++d) ah[d] += p * vh[d];
+            }
+        }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+        float inv = num_keys > 0 ? 1.f / denom[h] : 0.f;
+        float *oh = out + h * dim, *ah = acc + h * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) oh[d] = ah[d] * inv;
+    }
+}
+
+/* attend_impl with head_dim a compile-time constant where it is one of the common sizes, so its
+ * loops become straight-line vector code. */
+static void attend_token(float *out, const float *q, const float *k_cache, const float *v_cache,
+                         const int32_t *table, int64_t num_keys, int64_t heads, int64_t kv_heads,
+                         int64_t dim, int64_t block_size, float scale) {
+#define ATTEND(D) attend_impl(out, q, k_cache, v_cache, table, num_keys, heads, kv_heads, D, block_size, scale)
+    switch (dim) {
+    case 64: ATTEND(64); break;
+    case 128: ATTEND(128); break;
+    default: ATTEND(dim);
+    }
+#undef ATTEND
+}
+
+/* query/out [T, H, D]; caches [blocks, block_size, KV, D]; block_tables int32 [S, width];
+ * seq_lens int32 [S] (context incl. this step's tokens); query_start_loc int32 [S + 1].
+ * Returns 0, or -1 when the geometry exceeds this kernel's fixed buffers (the caller refuses it). */
+int paged_attention(float *out, const float *query, const float *k_cache, const float *v_cache,
+                    const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
+                    const int32_t *query_start_loc, int64_t num_seqs, int64_t heads,
+                    int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int threads) {
+    if (heads * dim > MAX_HEADS_X_DIM || heads % kv_heads != 0 || heads > MAX_HEADS_X_DIM / 32) return -1;
+    const int64_t tokens = query_start_loc[num_seqs];
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (tokens >= 2)
+    for (int64_t t = 0; t < tokens; ++t) {
+        int64_t lo = 0, hi = num_seqs - 1; /* the sequence owning token t: last s with qsl[s] <= t */
+        while (lo < hi) {
+            int64_t mid = (lo + hi + 1) / 2;
+            if (query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
+        }
+        const int64_t s = lo, q_len = query_start_loc[s + 1] - query_start_loc[s];
+        const int64_t position = seq_lens[s] - q_len + (t - query_start_loc[s]);
+        attend_token(out + t * heads * dim, query + t * heads * dim, k_cache, v_cache,
+                     block_tables + s * table_width, position + 1, heads, kv_heads, dim, block_size, scale);
+    }
+    return 0;
+}
