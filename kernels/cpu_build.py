@@ -40,6 +40,7 @@ SIGNATURES = {
     "add_rms_norm": (None, (_P, _P, _P, _P, _I64, _I64, _F32, _INT)),
     "qkv_rope_store": (None, (_P,) * 9 + (_I64, _I64, _I64, _I64, _F32, _INT)),
     "silu_mul": (None, (_P, _P, _I64, _I64, _INT)),
+    "row_linear": (None, (_P, _P, _P, _P, _I64, _I64, _INT)),
     "paged_attention": (
         _INT,
         (_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT),

@@ -161,3 +161,15 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(CpuKernelBuildError, match="no C compiler"):
         cpu_build.build(tmp_path)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_matches_f_linear(ops, rows, bias):
+    """One row takes the C GEMV, more take oneDNN's packed GEMM: both are F.linear."""
+    from worker.cpu_forward import PackedLinear
+
+    weight, x = torch.randn(300, 96), torch.randn(rows, 96)
+    b = torch.randn(300) if bias else None
+    got = PackedLinear(ops, weight, b)(x)
+    torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
