@@ -43,6 +43,10 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.tables: dict[int, list[KVBlock]] = {}
         self.num_cached_blocks: dict[int, int] = {}  # table prefix already hashed + cached
+        # The plan being made: sequences whose scheduled tokens fill blocks, and the hashes of
+        # those full blocks (not cached yet). See begin_plan / prefix_being_filled.
+        self._filling_seqs: list[Sequence] = []
+        self._filling_hashes: set = set()
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached
 
@@ -66,6 +70,39 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * bs
+
+    # -- prefixes filled by the plan being made ------------------------------------------
+    # Requests that share a prompt and arrive together would otherwise each compute it in the
+    # first plan (a block's content is only cacheable once some plan fills it). Instead, a
+    # waiting request whose next uncached block this plan fills waits one plan and then hits it.
+    def begin_plan(self) -> None:
+        """Cache the full blocks the previous plan fills: it has been handed to the worker,
+        which runs plans in order, so every later plan may read them (a failed step drops the
+        whole cache, see Scheduler.on_worker_lost). Then start tracking this plan."""
+        for seq in self._filling_seqs:
+            if seq.seq_id in self.tables:
+                self.cache_full_blocks(seq)
+        self._filling_seqs.clear()
+        self._filling_hashes.clear()
+
+    def note_scheduled(self, seq: Sequence) -> None:
+        """`seq`'s tokens up to num_computed_tokens are computed by the plan being made."""
+        if not self.enable_caching:
+            return
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        done = self.num_cached_blocks.get(seq.seq_id, 0)
+        if num_full > done:
+            extend_block_hashes(
+                seq.block_hashes, seq.token_ids, self.block_size, num_full, seq.request.extra_keys
+            )
+            self._filling_hashes.update(seq.block_hashes[done:num_full])
+            self._filling_seqs.append(seq)
+
+    def prefix_being_filled(self, seq: Sequence, num_hit_blocks: int) -> bool:
+        """Whether the block after `seq`'s cached prefix is one the plan being made fills for
+        another sequence (call after get_computed_blocks, which hashed the prompt)."""
+        hashes = seq.block_hashes
+        return num_hit_blocks < len(hashes) and hashes[num_hit_blocks] in self._filling_hashes
 
     def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Count a lookup once, when the sequence is admitted (not on every blocked retry)."""

@@ -171,6 +171,7 @@ class Scheduler(SchedulerUpdate):
     def schedule(self) -> Plan:
         plan = Plan(step_id=self.num_steps + 1)
         budget = self.config.max_num_batched_tokens
+        self.kv.begin_plan()
         if self._running_dirty:
             self.running.sort(key=lambda s: (s.request.priority, s.admitted_at))
             self._running_dirty = False
@@ -247,6 +248,8 @@ class Scheduler(SchedulerUpdate):
             if taken + seats > self.max_running:
                 return
             hits, num_hit = self.kv.get_computed_blocks(seq)
+            if self.kv.prefix_being_filled(seq, len(hits)):
+                return  # next plan it hits what this one computes (FCFS: nobody overtakes)
             num_new = min(seq.num_tokens - num_hit, budget)
             cap = self.config.long_prefill_token_threshold
             num_new = min(num_new, cap) if cap else num_new
@@ -313,6 +316,7 @@ class Scheduler(SchedulerUpdate):
                 ContinuingSequence(seq.seq_id, new_ids, alloc.replaced, tokens, start, sample, fan_out, feed)
             )
         seq.num_synced_blocks = len(table)
+        self.kv.note_scheduled(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks (full ones stay cached) and wait again."""

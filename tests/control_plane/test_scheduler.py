@@ -119,6 +119,28 @@ def test_shared_prefix_hit_counts_and_usage():
     check_all_free(engine.scheduler)
 
 
+def test_requests_arriving_together_compute_a_shared_prompt_once():
+    """Four requests with one 64-token prefix, added before any step: the first plan computes
+    the prefix for the first request only; the rest wait one plan and hit all four blocks, in
+    the same plan the first one's blocks are cached (they are not computed twice)."""
+    engine, _ = make_engine(num_blocks=64, block_size=16, max_num_batched_tokens=512)
+    system = list(range(500, 564))
+    for i in range(4):
+        engine.add_request(f"r{i}", system + [i, i + 1], SamplingParams(max_tokens=3))
+    s = engine.scheduler
+    first = s.schedule()
+    assert [len(item.token_ids) for item in first.new] == [66]
+    s.update(first, engine.worker.execute(first))
+    second = s.schedule()
+    assert sorted(item.start_pos for item in second.new) == [64, 64, 64]
+    assert all(len(item.token_ids) == 2 for item in second.new)
+    s.update(second, engine.worker.execute(second))
+    engine.run_to_completion()
+    st = s.stats()
+    assert st.prefix_cache_hits == 3 * 64 and st.prefix_cache_queries == 4 * 66
+    check_all_free(s)
+
+
 def test_parallel_sampling_forks_and_copies_the_partial_block():
     engine, worker = make_engine(num_blocks=64, block_size=16)
     prompt = list(range(20))  # 1 full block + 4 tokens in a shared partial block
