@@ -23,6 +23,7 @@ from bench.report import commit, machine, markdown
 SUITES = [
     "control_plane",
     "worker",
+    "cpu_forward",
     "transport",
     "e2e",
     "overhead",

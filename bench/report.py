@@ -35,6 +35,8 @@ GOALS = (
     Goal("memory", "paged_max_waste_tokens_per_seq", "<=", 15, "paged KV waste per sequence (tokens)"),
     Goal("prefix_cache", "ttft_speedup", ">=", 8.0, "TTFT cold / warm, 512-token shared system prompt"),
     Goal("preemption", "all_completed", "==", True, "every request of a 3x-oversubscribed pool completes"),
+    Goal("cpu_forward", "decode_b64_fraction_of_plain_mm_ceiling", ">=", 0.70,
+         "CPU decode step at batch 64: plain torch.mm time of its GEMMs / step time"),
     Goal("overhead", "itl_c1_ratio_overlap", "<=", 1.05,
          "ITL at 1 client, served (overlap) / worker-direct (CPU worker)"),
     Goal("overhead", "tps_c64_ratio_overlap", ">=", 0.95,

@@ -77,6 +77,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         dtype="float32",
     ),
+    # The CPU benchmarks' model (bench/cpu_forward.py; the geometry of the vLLM comparison).
+    "qwen3-small-fp32": _qwen_config(
+        "Qwen3ForCausalLM",
+        "qwen3",
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        dtype="float32",
+    ),
     # Qwen2.5-0.5B geometry (~494M parameters), random weights: GPU benchmarks without a download.
     "qwen2.5-0.5b": _qwen_config(
         "Qwen2ForCausalLM",
