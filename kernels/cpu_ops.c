@@ -20,6 +20,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define RESTRICT __restrict__
@@ -226,26 +227,143 @@ static void attend_token(float *out, const float *q, const float *k_cache, const
 #undef ATTEND
 }
 
+#define TILE_ROWS 16  /* query rows (token x head of one GQA group) per prefill work item */
+#define TILE_MAX_DIM 256
+
+/* GCC vector extensions: 16 floats, one AVX-512 register (split by the compiler elsewhere). */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4))); /* unaligned loads from the pool */
+
+/* Prefill attention for one tile: up to TILE_ROWS rows = (token, head) pairs of ONE kv head,
+ * tokens first_token.. of one sequence at positions first_pos... Q is transposed once into
+ * qt[d] = (row 0..15), so a key's scores for all rows are one vector FMA per d (K[d] broadcast)
+ * with no horizontal reductions, and each K/V row is loaded once for all the tile's rows.
+ * Rows see only keys at positions <= their own (the diagonal chunk is masked). */
+static void attend_tile(float *out, const float *query, const float *RESTRICT k_cache,
+                        const float *RESTRICT v_cache, const int32_t *RESTRICT table,
+                        int64_t first_token, int64_t n_tokens, int64_t first_pos, int64_t kv_head,
+                        int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale) {
+    const int64_t group = heads / kv_heads, rows = n_tokens * group, row_stride = kv_heads * dim;
+    const int64_t dim_blocks = dim / TILE_ROWS;
+    v16 qt[TILE_MAX_DIM], acc[TILE_ROWS][TILE_MAX_DIM / TILE_ROWS], s[KEY_CHUNK];
+    float m[TILE_ROWS], l[TILE_ROWS], rescale[TILE_ROWS];
+    int64_t row_pos[TILE_ROWS], offs[KEY_CHUNK];
+    for (int64_t r = 0; r < TILE_ROWS; ++r) {
+        /* padding rows repeat the last real row (their output is dropped) */
+        int64_t rr = r < rows ? r : rows - 1, tok = rr / group, h = kv_head * group + rr % group;
+        const float *q = query + ((first_token + tok) * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) qt[d][r] = q[d] * scale;
+        row_pos[r] = first_pos + tok;
+        m[r] = -INFINITY, l[r] = 0.f;
+        for (int64_t db = 0; db < dim_blocks; ++db) acc[r][db] = (v16){0};
+    }
+    const int64_t num_keys = first_pos + n_tokens;
+    int64_t block = 0, offset = 0;
+    for (int64_t start = 0; start < num_keys; start += KEY_CHUNK) {
+        int64_t n = num_keys - start < KEY_CHUNK ? num_keys - start : KEY_CHUNK;
+        for (int64_t j = 0; j < n; ++j) {
+            offs[j] = ((int64_t)table[block] * block_size + offset) * row_stride + kv_head * dim;
+            if (++offset == block_size) offset = 0, ++block;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const float *k = k_cache + offs[j];
+            v16 sj = {0};
+            for (int64_t d = 0; d < dim; ++d) sj += qt[d] * k[d];
+            s[j] = sj;
+        }
+        if (start + n - 1 > first_pos) /* the diagonal chunk: hide keys after each row */
+            for (int64_t j = 0; j < n; ++j)
+                for (int64_t r = 0; r < TILE_ROWS; ++r)
+                    if (start + j > row_pos[r]) s[j][r] = -INFINITY;
+        float cm[TILE_ROWS];
+        for (int64_t r = 0; r < TILE_ROWS; ++r) cm[r] = m[r];
+        for (int64_t j = 0; j < n; ++j)
+#pragma omp simd
+            for (int64_t r = 0; r < TILE_ROWS; ++r) cm[r] = s[j][r] > cm[r] ? s[j][r] : cm[r];
+#pragma omp simd
+        for (int64_t r = 0; r < TILE_ROWS; ++r) {
+            rescale[r] = exp_approx(m[r] - cm[r]);
+            l[r] *= rescale[r];
+            m[r] = cm[r];
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            float p[TILE_ROWS];
+#pragma omp simd
+            for (int64_t r = 0; r < TILE_ROWS; ++r) {
+                /* masked keys: exactly 0, not exp_approx's clamped e^-87 */
+                p[r] = s[j][r] == -INFINITY ? 0.f : exp_approx(s[j][r] - cm[r]);
+                l[r] += p[r];
+            }
+            for (int64_t r = 0; r < TILE_ROWS; ++r) s[j][r] = p[r];
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t db = 0; db < dim_blocks; ++db) {
+                v16 a = acc[r][db] * rescale[r];
+                for (int64_t j = 0; j < n; ++j) a += s[j][r] * *(const v16u *)(v_cache + offs[j] + db * TILE_ROWS);
+                acc[r][db] = a;
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        int64_t tok = r / group, h = kv_head * group + r % group;
+        float *o = out + ((first_token + tok) * heads + h) * dim, inv = 1.f / l[r];
+        for (int64_t db = 0; db < dim_blocks; ++db) {
+            v16 v = acc[r][db] * inv;
+            memcpy(o + db * TILE_ROWS, &v, sizeof v);
+        }
+    }
+}
+
+/* One unit of parallel work: a token (all heads, attend_token) or a prefill tile (attend_tile). */
+typedef struct {
+    int64_t seq, first_token, n_tokens, kv_head; /* kv_head < 0: a whole-token item */
+} WorkItem;
+
 /* query/out [T, H, D]; caches [blocks, block_size, KV, D]; block_tables int32 [S, width];
  * seq_lens int32 [S] (context incl. this step's tokens); query_start_loc int32 [S + 1].
- * Returns 0, or -1 when the geometry exceeds this kernel's fixed buffers (the caller refuses it). */
+ * Sequences with at least half a tile of query rows (prefill chunks) go through attend_tile,
+ * the rest (decodes) through attend_token. Returns 0, or -1 when the geometry exceeds this
+ * kernel's fixed buffers (the caller refuses such models up front). */
 int paged_attention(float *out, const float *query, const float *k_cache, const float *v_cache,
                     const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
                     const int32_t *query_start_loc, int64_t num_seqs, int64_t heads,
                     int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int threads) {
     if (heads * dim > MAX_HEADS_X_DIM || heads % kv_heads != 0 || heads > MAX_HEADS_X_DIM / 32) return -1;
-    const int64_t tokens = query_start_loc[num_seqs];
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (tokens >= 2)
-    for (int64_t t = 0; t < tokens; ++t) {
-        int64_t lo = 0, hi = num_seqs - 1; /* the sequence owning token t: last s with qsl[s] <= t */
-        while (lo < hi) {
-            int64_t mid = (lo + hi + 1) / 2;
-            if (query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
-        }
-        const int64_t s = lo, q_len = query_start_loc[s + 1] - query_start_loc[s];
-        const int64_t position = seq_lens[s] - q_len + (t - query_start_loc[s]);
-        attend_token(out + t * heads * dim, query + t * heads * dim, k_cache, v_cache,
-                     block_tables + s * table_width, position + 1, heads, kv_heads, dim, block_size, scale);
+    const int64_t group = heads / kv_heads;
+    const int tiles_ok = dim <= TILE_MAX_DIM && dim % TILE_ROWS == 0 && group <= TILE_ROWS;
+    const int64_t tile_tokens = tiles_ok ? TILE_ROWS / group : 1;
+    int64_t count = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+        count += tiles_ok && 2 * q_len * group >= TILE_ROWS ? kv_heads * ((q_len + tile_tokens - 1) / tile_tokens)
+                                                            : q_len;
     }
+    WorkItem *items = malloc((size_t)(count > 0 ? count : 1) * sizeof(WorkItem));
+    if (!items) return -2;
+    int64_t next = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        int64_t begin = query_start_loc[s], q_len = query_start_loc[s + 1] - begin;
+        if (tiles_ok && 2 * q_len * group >= TILE_ROWS) {
+            for (int64_t t = 0; t < q_len; t += tile_tokens)
+                for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+                    items[next++] = (WorkItem){s, begin + t, q_len - t < tile_tokens ? q_len - t : tile_tokens, kvh};
+        } else {
+            for (int64_t t = 0; t < q_len; ++t) items[next++] = (WorkItem){s, begin + t, 1, -1};
+        }
+    }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (count >= 2)
+    for (int64_t i = 0; i < count; ++i) {
+        const WorkItem it = items[i];
+        const int64_t q_len = query_start_loc[it.seq + 1] - query_start_loc[it.seq];
+        const int64_t pos = seq_lens[it.seq] - q_len + (it.first_token - query_start_loc[it.seq]);
+        const int32_t *table = block_tables + it.seq * table_width;
+        if (it.kv_head < 0)
+            attend_token(out + it.first_token * heads * dim, query + it.first_token * heads * dim, k_cache,
+                         v_cache, table, pos + 1, heads, kv_heads, dim, block_size, scale);
+        else
+            attend_tile(out, query, k_cache, v_cache, table, it.first_token, it.n_tokens, pos, it.kv_head,
+                        heads, kv_heads, dim, block_size, scale);
+    }
+    free(items);
     return 0;
 }
