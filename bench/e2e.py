@@ -27,12 +27,11 @@ CONCURRENCY = (1, 16, 64)
 PROMPT_LEN = 64
 
 
-async def _one_request(
-    client: AsyncClient, tokens: list[int], max_tokens: int
-) -> tuple[float, list[float], int]:
-    """(TTFT s, ITL samples s, tokens received) of one streamed request."""
+async def stream_request(client: AsyncClient, tokens: list[int], max_tokens: int) -> dict:
+    """One greedy ignore_eos request streamed: TTFT, the inter-token gaps (a message carrying k
+    tokens counts k gaps of 1/k of its wait), wall time to the last token, and the tokens."""
     sent = time.perf_counter()
-    last, ttft, itl, received = sent, None, [], 0
+    last, ttft, gaps, received = sent, None, [], []
     async for msg in client.generate(token_ids=tokens, max_tokens=max_tokens, ignore_eos=True):
         if not msg.token_ids:
             continue
@@ -40,11 +39,21 @@ async def _one_request(
         if ttft is None:
             ttft = now - sent
         else:
-            itl.extend([(now - last) / len(msg.token_ids)] * len(msg.token_ids))
-        last, received = now, received + len(msg.token_ids)
-    if ttft is None or received != max_tokens:
+            gaps.extend([(now - last) / len(msg.token_ids)] * len(msg.token_ids))
+        last = now
+        received += list(msg.token_ids)
+    return {"ttft_s": ttft, "gaps_s": gaps, "wall_s": last - sent, "tokens": received}
+
+
+async def _one_request(
+    client: AsyncClient, tokens: list[int], max_tokens: int
+) -> tuple[float, list[float], int]:
+    """(TTFT s, ITL samples s, tokens received) of one streamed request."""
+    result = await stream_request(client, tokens, max_tokens)
+    received = len(result["tokens"])
+    if result["ttft_s"] is None or received != max_tokens:
         raise AssertionError(f"request got {received} of {max_tokens} tokens")
-    return ttft, itl, received
+    return result["ttft_s"], result["gaps_s"], received
 
 
 async def _client_loop(client: AsyncClient, rng: random.Random, k: int, max_tokens: int) -> list:

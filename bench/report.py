@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from bench.peer import report as peer_report
+
 
 @dataclass(frozen=True)
 class Goal:
@@ -149,6 +151,7 @@ def markdown(report: dict, results_dir: Path, docs: dict[str, str]) -> str:
         "",
         *_ratio_rows(suites, results_dir),
         "",
+        *peer_report.report_section(results_dir),
     ]
     for suite, figures in suites.items():
         lines += [f"## {suite}", "", docs.get(suite, ""), "", "| figure | value |", "|---|---|"]

