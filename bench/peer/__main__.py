@@ -17,6 +17,7 @@ import datetime as dt
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,14 +52,45 @@ def vllm_env(peer_python: Path) -> tuple[dict, str]:
     return env, settings
 
 
-def run_unit(engine: str, mode: str, model: Path, spec_path: Path, peer_python: Path, env: dict) -> dict:
+def before_tree(rev: str) -> Path:
+    """An import root where pagedkv's packages come from commit `rev` and `bench` from this
+    tree (so this driver measures the old code): the old sources unpacked by `git archive`,
+    this tree's generated protobuf modules (the protos must be unchanged since `rev`), and
+    symlinks. Its processes import the old code through PYTHONPATH, ahead of the editable
+    install."""
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()  # fmt: skip
+    changed = subprocess.run(["git", "diff", "--stat", sha, "--", "protos"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    if changed:
+        raise SystemExit(f"--before {rev}: the protos changed since then; it cannot reuse this tree's stubs")
+    base = Path(tempfile.gettempdir()) / f"pagedkv-before-{sha}"
+    source, root = base / "src", base / "root"
+    if not root.exists():
+        source.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", sha], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+        shutil.copytree(ROOT / "pagedkv" / "v1", source / "pagedkv" / "v1")
+        root.mkdir()
+        for package in ("control_plane", "worker", "kernels", "pagedkv"):
+            (root / package).symlink_to(source / package)
+        (root / "bench").symlink_to(ROOT / "bench")
+    return root
+
+
+def run_unit(
+    engine: str, mode: str, model: Path, spec_path: Path, peer_python: Path, env: dict, before: Path | None
+) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = Path(f.name)
     if engine == "vllm":
         argv = [str(peer_python), str(Path(__file__).with_name("vllm_driver.py"))]
     else:
         argv, env = [sys.executable, "-m", "bench.peer.pagedkv_driver"], dict(os.environ)
-    proc = subprocess.run([*argv, str(model), str(spec_path), str(out), mode], cwd=ROOT, env=env,
+    cwd = ROOT
+    if engine == "pagedkv-before":  # cwd is sys.path[0] for `-m`: it must be the old tree's root
+        cwd, env["PYTHONPATH"] = before, str(before)
+    proc = subprocess.run([*argv, str(model), str(spec_path), str(out), mode], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=UNIT_TIMEOUT_S)  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} {mode} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -96,13 +128,24 @@ def summarize(results: dict, spec: dict) -> dict:
         if name == "warmup":
             continue
         unit = "stream" if work["kind"] == "stream" else "batch"
-        ref = results[("vllm", unit)][0][name]
-        ref_tokens = [r["tokens"] for r in ref["requests"]] if "requests" in ref else ref["tokens"]
+        ref_tokens = report.output_tokens(results[("vllm", unit)][0][name])
         for mode in ("served", "inproc"):
             other = results[("pagedkv", mode)][0].get(name)
             if other is not None:
-                tokens = [r["tokens"] for r in other["requests"]] if "requests" in other else other["tokens"]
-                agree[f"{name}/{mode}"] = report.agreement(ref_tokens, tokens)
+                agree[f"{name}/{mode}"] = report.agreement(ref_tokens, report.output_tokens(other))
+    return {"figures": figures, "agreement": agree}
+
+
+def summarize_before(results: dict, spec: dict) -> dict:
+    """Served pagedkv at the --before commit: its figures and its token agreement with now."""
+    figures, agree = {}, {}
+    for name, work in spec.items():
+        if name == "warmup":
+            continue
+        runs = [r[name] for r in results[("pagedkv-before", "served")]]
+        figures[name] = (report.stream_figures if work["kind"] == "stream" else report.batch_figures)(runs)
+        new = results[("pagedkv", "served")][0][name]
+        agree[name] = report.agreement(report.output_tokens(new), report.output_tokens(runs[0]))
     return {"figures": figures, "agreement": agree}
 
 
@@ -132,6 +175,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 round, fewer and shorter requests (smoke run)")
     ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
     ap.add_argument("--out", type=Path, default=report.RESULTS)
+    ap.add_argument("--before", metavar="REV", help="also run pagedkv at this commit, served (before/after)")
     args = ap.parse_args()
     rounds = 1 if args.quick else args.rounds
     model = ensure_checkpoint()
@@ -140,16 +184,19 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(json.dumps(spec))
     env, settings = vllm_env(args.peer_python)
-    results: dict = {unit: [] for unit in (*VLLM_UNITS, *PAGEDKV_UNITS)}
+    before = before_tree(args.before) if args.before else None
+    pagedkv_units = (*PAGEDKV_UNITS, ("pagedkv-before", "served")) if before else PAGEDKV_UNITS
+    results: dict = {unit: [] for unit in (*VLLM_UNITS, *pagedkv_units)}
     runs = []
     for r in range(rounds):
-        order = (*VLLM_UNITS, *PAGEDKV_UNITS) if r % 2 == 0 else (*PAGEDKV_UNITS, *VLLM_UNITS)
+        order = (*VLLM_UNITS, *pagedkv_units) if r % 2 == 0 else (*pagedkv_units, *VLLM_UNITS)
         for engine, mode in order:
             load, t0 = os.getloadavg(), time.perf_counter()
             print(
                 f"[bench-peer] round {r + 1}/{rounds}: {engine} {mode} (load {load[0]:.2f})", file=sys.stderr
             )
-            results[(engine, mode)].append(run_unit(engine, mode, model, spec_path, args.peer_python, env))
+            result = run_unit(engine, mode, model, spec_path, args.peer_python, env, before)
+            results[(engine, mode)].append(result)
             runs.append({"round": r + 1, "engine": engine, "mode": mode, "loadavg": load,
                          "seconds": time.perf_counter() - t0})  # fmt: skip
     summary = {
@@ -167,6 +214,8 @@ def main() -> None:
         "runs": runs,
         **summarize(results, spec),
     }
+    if before:
+        summary["before"] = {"rev": args.before, **summarize_before(results, spec)}
     summary["ratios"] = report.ratios(summary)
     stamp = f"{dt.date.today().isoformat()}-{summary['commit']}"
     (args.out / f"peer-{stamp}.json").write_text(json.dumps(summary, indent=2))

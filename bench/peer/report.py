@@ -30,6 +30,11 @@ def batch_figures(runs: list[dict]) -> dict:
     return {"tokens_per_s": statistics.median(rates), "rounds_tokens_per_s": rates}
 
 
+def output_tokens(result: dict) -> list[list[int]]:
+    """Every request's output token ids from a stream or a batch workload's result."""
+    return [r["tokens"] for r in result["requests"]] if "requests" in result else result["tokens"]
+
+
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
     """Requests whose whole output token lists are equal, and where the others first differ."""
     equal, first_diff = 0, []
@@ -102,6 +107,26 @@ def ratios(summary: dict) -> dict[str, float]:
     return out
 
 
+def before_after(summary: dict) -> list[str]:
+    """pagedkv served at the --before commit vs now, same run (empty without --before)."""
+    before = summary.get("before")
+    if not before:
+        return []
+    old, new = before["figures"], summary["figures"]["pagedkv_served"]
+    lines = [f"## pagedkv before ({before['rev']}) and after, served, same run", ""]
+    lines += ["| workload | before | after | improvement | same tokens |", "|---|---|---|---|---|"]
+    for name, fig in old.items():
+        agree = before["agreement"][name]
+        same = f"{agree['equal']} / {agree['total']}"
+        label = summary["workloads"][name]
+        a, b = fig["tokens_per_s"], new[name]["tokens_per_s"]
+        lines.append(f"| {label}: output tok/s | {a:.1f} | {b:.1f} | {b / a:.2f} | {same} |")
+        if "mean_itl_ms" in fig:
+            a, b = fig["mean_itl_ms"], new[name]["mean_itl_ms"]
+            lines.append(f"| {label}: mean ITL | {a:.2f} ms | {b:.2f} ms | {a / b:.2f} | {same} |")
+    return [*lines, ""]
+
+
 def markdown(summary: dict) -> str:
     lines = [
         f"# pagedkv vs vLLM CPU ({summary['date'][:10]}, commit {summary['commit']})",
@@ -116,6 +141,7 @@ def markdown(summary: dict) -> str:
         "|---|---|---|---|",
         *[f"| {w} | {a} | {b} | {r} |" for w, a, b, r in table_rows(summary)],
         "",
+        *before_after(summary),
         "## Token agreement (exact output token lists per request)",
         "",
         "| workload | pagedkv side | equal / total | first mismatch positions |",
