@@ -24,6 +24,7 @@ SUITES = [
     "control_plane",
     "worker",
     "cpu_forward",
+    "launch_args",
     "transport",
     "e2e",
     "overhead",

@@ -39,6 +39,8 @@ GOALS = (
     Goal("preemption", "all_completed", "==", True, "every request of a 3x-oversubscribed pool completes"),
     Goal("cpu_forward", "decode_b64_fraction_of_plain_mm_ceiling", ">=", 0.70,
          "CPU decode step at batch 64: plain torch.mm time of its GEMMs / step time"),
+    Goal("launch_args", "decode_pack_us", "<=", 10.0,
+         "host cost of packing one decode-kernel launch's 16 arguments (us, CPU)"),
     Goal("overhead", "itl_c1_ratio_overlap", "<=", 1.05,
          "ITL at 1 client, served (overlap) / worker-direct (CPU worker)"),
     Goal("overhead", "tps_c64_ratio_overlap", ">=", 0.95,

@@ -3,6 +3,7 @@ CUDA backend, checked without a GPU."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 
 import numpy as np
@@ -54,6 +55,22 @@ def test_kernel_args_pack_typed_values_behind_a_pointer_array():
         KernelArgs((launch.I32,), (1 << 31,))
     with pytest.raises(ValueError, match="takes 2 arguments"):
         KernelArgs((launch.I32, launch.I32), (1,))
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_every_kernel_signature_packs_with_c_alignment(name):
+    """Values sit at their C offsets: an int32 before a pointer or int64 is padded to 8, which
+    is where the kernel reads them (each pointer-array entry is checked for alignment)."""
+    signature = SIGNATURES[name]
+    sample = {launch.PTR: 0x7F00_0000_2000, launch.I32: -7, launch.I64: 1 << 40, launch.F32: 0.5}
+    values = [
+        sample[ctype] + i if ctype is not launch.F32 else sample[ctype] for i, ctype in enumerate(signature)
+    ]
+    args = KernelArgs(signature, values)
+    assert args.read_back() == values
+    pointers = (ctypes.c_void_p * len(signature)).from_address(args.pointer)
+    for ctype, address in zip(signature, pointers, strict=True):
+        assert address % ctypes.alignment(ctype) == 0
 
 
 def test_short_contexts_run_in_one_pass():
