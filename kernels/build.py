@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kernels.cubin_cache import CubinCache, cache_key
-from kernels.nvrtc import CompiledProgram, compile_source, normalize_arch, nvrtc_version
+from kernels.nvrtc import BASE_OPTIONS, CompiledProgram, compile_source, normalize_arch, nvrtc_version
 from kernels.specs import ProgramSpec, read_sources
 
 # Extra NVRTC options for every program. Kept empty: NVRTC optimises by default, and fast
@@ -33,7 +33,11 @@ def compile_program(
     sources, headers = read_sources()
     source = sources[spec.source]
     version = nvrtc_version()
-    key = cache_key(spec.source, source, headers, spec.name_expressions, arch, options, version)
+    # The key covers every option NVRTC sees (its fixed base options too): changing either
+    # one must miss the cache, not load a cubin built another way.
+    key = cache_key(
+        spec.source, source, headers, spec.name_expressions, arch, (*BASE_OPTIONS, *options), version
+    )
     if cache is not None:
         cached = cache.get(key)
         if cached is not None:

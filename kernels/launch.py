@@ -113,6 +113,37 @@ def _layout(signature: tuple[type, ...]) -> _ArgLayout:
     return _ArgLayout(fmt, tuple(offsets), max(struct.calcsize(fmt), 1))
 
 
+POOL_ALIGN = 16  # bytes: the kernels read K/V rows with 16-byte vector loads
+
+
+def check_kv_pools(k_cache, v_cache) -> None:
+    """The kernels index a layer's pools as dense [blocks, block_size, kv_heads, head_dim]
+    arrays from their base pointers: refuse views, strides or offsets that would make them read
+    the wrong memory (torch tensors, or anything with shape/stride/dtype/data_ptr)."""
+    for name, pool in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if len(pool.shape) != 4:
+            raise ValueError(
+                f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(pool.shape)}"
+            )
+        expected, step = [], 1
+        for size in reversed(pool.shape):
+            expected.insert(0, step)
+            step *= size
+        if tuple(pool.stride()) != tuple(expected):
+            raise ValueError(
+                f"{name} must be contiguous (strides {tuple(expected)}), got {tuple(pool.stride())}"
+            )
+        if pool.data_ptr() % POOL_ALIGN:
+            raise ValueError(
+                f"{name} must start on a {POOL_ALIGN}-byte boundary (address {pool.data_ptr():#x})"
+            )
+    if tuple(k_cache.shape) != tuple(v_cache.shape) or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"k_cache and v_cache must match: {tuple(k_cache.shape)} {k_cache.dtype} vs "
+            f"{tuple(v_cache.shape)} {v_cache.dtype}"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
     grid: tuple[int, int, int]

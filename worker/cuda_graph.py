@@ -177,7 +177,9 @@ class DecodeGraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a capture on the step thread must not turn another thread's unrelated
+        # CUDA call (e.g. the gRPC side's) into a capture error, nor be broken by it.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             hidden = self._run(bucket)
         self._graphs[bucket] = (graph, hidden)
         return graph, hidden

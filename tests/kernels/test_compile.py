@@ -88,3 +88,20 @@ def test_cubin_cache_miss_compiles_and_stores(tmp_path):
     assert (cache.hits, cache.misses) == (1, 1)
     assert first.cubin == second.cubin
     assert len(list(tmp_path.glob("*.cubin"))) == 1
+
+
+def test_cache_key_covers_the_base_nvrtc_options(monkeypatch, tmp_path):
+    """A change to the fixed options NVRTC always gets must miss the cache, like any other."""
+    import kernels.build as build
+    from kernels.nvrtc import BASE_OPTIONS
+
+    seen = []
+
+    def spy(*args):
+        seen.append(args[5])  # the options the key is made of
+        raise RuntimeError("stop before compiling")
+
+    monkeypatch.setattr(build, "cache_key", spy)
+    with pytest.raises(RuntimeError, match="stop before compiling"):
+        compile_program(cache_ops_program("float16"), "sm_87", CubinCache(tmp_path), options=("-lineinfo",))
+    assert tuple(seen[0]) == (*BASE_OPTIONS, "-lineinfo")

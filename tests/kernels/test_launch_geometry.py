@@ -160,3 +160,21 @@ def test_arch_selection_and_driver_compatibility():
     check_driver_compatible((12, 6), 12080)
     with pytest.raises(KernelLoadError, match="nvidia-cuda-nvrtc-cu12"):
         check_driver_compatible((13, 0), 12060)  # pip NVRTC 13 on JetPack 6 (CUDA 12.6)
+
+
+def test_kv_pools_must_be_dense_aligned_and_matching():
+    import torch
+
+    from kernels.launch import check_kv_pools
+
+    pool = torch.zeros(8, 16, 2, 64, dtype=torch.float16)
+    check_kv_pools(pool, torch.zeros_like(pool))
+    with pytest.raises(ValueError, match="contiguous"):
+        check_kv_pools(pool.transpose(2, 3), pool.transpose(2, 3))
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        flat = torch.zeros(pool.numel() + 8, dtype=torch.float16)
+        check_kv_pools(flat[1 : 1 + pool.numel()].view(pool.shape), pool)
+    with pytest.raises(ValueError, match="must match"):
+        check_kv_pools(pool, torch.zeros_like(pool, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="num_blocks"):
+        check_kv_pools(pool[0], pool[0])

@@ -35,6 +35,7 @@ from kernels.launch import (
     REDUCE_SIGNATURE,
     WRITE_KV_SIGNATURE,
     KernelArgs,
+    check_kv_pools,
     copy_blocks_launch,
     plan_decode,
     prefill_launch,
@@ -119,6 +120,7 @@ class CudaAttentionBackend:
         num_tokens = key.shape[0]
         if num_tokens == 0:
             return
+        check_kv_pools(k_cache, v_cache)
         _, _, num_kv_heads, head_dim = k_cache.shape
         key = aligned_rows(key.to(k_cache.dtype))
         value = aligned_rows(value.to(v_cache.dtype))
@@ -184,6 +186,7 @@ class CudaAttentionBackend:
         prove every element is written)."""
         if query.shape[0] == 0:
             return
+        check_kv_pools(k_cache, v_cache)
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         geometry = AttentionGeometry(
             dtype_name(k_cache.dtype), head_dim, block_size, query.shape[1], num_kv_heads
