@@ -51,7 +51,7 @@ from control_plane.errors import (
     WorkerUnavailableError,
 )
 from control_plane.plan import Plan, StepResult, WorkerInfo
-from control_plane.request import FinishReason
+from control_plane.request import FinishReason, RequestOutput
 from control_plane.request_stream import RequestStream, TokenTimings
 from control_plane.scheduler import Scheduler
 from control_plane.scheduler_config import SchedulerConfig
@@ -137,6 +137,8 @@ class AsyncEngine(EngineRequests):
         self.num_worker_losses = 0
         self.num_generation_tokens = 0  # tokens sampled for clients since start (all samples)
         self._observer: EngineObserver | None = None
+        # Outputs of the last update not yet streamed (overlap: while the next plan is sent).
+        self._held_outputs: list[RequestOutput] = []
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -287,12 +289,14 @@ class AsyncEngine(EngineRequests):
                 now = time.perf_counter()
                 self._observer.on_step(now - max(sent_at, last_result_at))
                 last_result_at = now
-            outputs = sched.update(plan, result)
+            # Held, not local: an abort while step k+2 is sent must stream these tokens
+            # before its finish, because the finish's usage counts them (_dispatch).
+            self._held_outputs = sched.update(plan, result)
             try:
                 if overlap:  # the worker gets step k+2 before step k's tokens are streamed
                     await self._plan_ahead(in_flight, depth)
             finally:  # even if that send failed: these tokens are in the sequences already
-                self._dispatch(outputs)
+                self._dispatch([])
 
     async def _plan_ahead(self, in_flight: deque[tuple[Plan, float]], depth: int) -> None:
         """Schedule and send plans until `depth` are in flight or nothing is runnable."""

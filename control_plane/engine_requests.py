@@ -118,6 +118,11 @@ class EngineRequests:
 
     # -- outputs ----------------------------------------------------------------------------
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Stream `outputs`, after any the loop still holds: those are older (an abort's
+        finish, whose usage counts them, must not overtake them)."""
+        if self._held_outputs:
+            held, self._held_outputs = self._held_outputs, []
+            outputs = held + outputs
         batches: dict[str, list[Chunk]] = {}
         for out in outputs:
             self.num_generation_tokens += len(out.new_token_ids)
