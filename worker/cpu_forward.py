@@ -35,6 +35,11 @@ from worker.model import CausalLM
 PACKING_BATCH_HINT = 64
 
 
+def _ptr(t: Tensor | None) -> int | None:
+    """A tensor's address for ctypes; None (NULL) for an optional operand left out."""
+    return None if t is None else t.data_ptr()
+
+
 class PackedLinear:
     """y = x @ W.T + b. Batches go to oneDNN with W reordered once into its blocked layout; a
     single row (streaming decode) goes to the C GEMV over the plain W, which streams the weight
@@ -52,8 +57,7 @@ class PackedLinear:
         if x.shape[0] != 1:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         y = x.new_empty(1, self.out_features)
-        bias = None if self.bias is None else self.bias.data_ptr()
-        self.ops.row_linear(y.data_ptr(), x.contiguous().data_ptr(), self.plain.data_ptr(), bias,
+        self.ops.row_linear(y.data_ptr(), x.contiguous().data_ptr(), self.plain.data_ptr(), _ptr(self.bias),
                             self.out_features, self.in_features, torch.get_num_threads())  # fmt: skip
         return y
 
@@ -167,12 +171,9 @@ class FastCpuForward:
         return out
 
     def _rope_store(self, layer: _Layer, qkv, cos, sin, slots, q, k_cache, v_cache, threads) -> None:
-        def ptr(t: Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
-
         self.ops.qkv_rope_store(
-            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), ptr(layer.q_norm),
-            ptr(layer.k_norm), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0],
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), _ptr(layer.q_norm),
+            _ptr(layer.k_norm), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0],
             self.heads, self.kv_heads, self.head_dim, self.eps, threads,
         )  # fmt: skip
 
