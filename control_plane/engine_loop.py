@@ -126,7 +126,7 @@ class AsyncEngine(EngineRequests):
         self._listeners: list[Callable[[bool], None]] = []
         self._connected = False  # a worker answered Describe + Reset and no step failed since
         self._draining = False
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[int, RequestStream] = {}  # by Request.arrival (ids are reused)
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None

@@ -63,9 +63,9 @@ class EngineRequests:
         if sampling.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a server-side tokenizer; use stop_token_ids")
         request_id = request_id or uuid.uuid4().hex
-        self.scheduler.add_request(request_id, prompt_token_ids, sampling, priority, cache_salt)
-        stream = RequestStream(request_id, sampling.n, self.tokenizer, sampling.stop)
-        self._streams[request_id] = stream
+        req = self.scheduler.add_request(request_id, prompt_token_ids, sampling, priority, cache_salt)
+        stream = RequestStream(request_id, sampling.n, self.tokenizer, sampling.stop, req.arrival)
+        self._streams[req.arrival] = stream
         self._work.set()
         log.debug(
             "request.added",
@@ -103,14 +103,14 @@ class EngineRequests:
         quietly if still live. Keyed by the stream object, never by id alone: once a request
         finished its id may be reused by a new one, which must not be touched."""
         request_id = stream.request_id
-        if self._streams.get(request_id) is not stream:
-            return  # already finished or failed (and the id possibly reused)
-        del self._streams[request_id]
+        if self._streams.get(stream.arrival) is not stream:
+            return  # already finished or failed
+        del self._streams[stream.arrival]
         if stream.done or self.scheduler is None:
             return
         stream.done = True
-        try:
-            self.scheduler.abort_request(request_id, FinishReason.ABORT)
+        try:  # the scheduler may have retired it (its last outputs held) and the id been reused
+            self.scheduler.abort_request(request_id, FinishReason.ABORT, arrival=stream.arrival)
         except EngineError:
             return
         self._work.set()
@@ -123,23 +123,23 @@ class EngineRequests:
         if self._held_outputs:
             held, self._held_outputs = self._held_outputs, []
             outputs = held + outputs
-        batches: dict[str, list[Chunk]] = {}
+        batches: dict[int, list[Chunk]] = {}
         for out in outputs:
             self.num_generation_tokens += len(out.new_token_ids)
-            stream = self._streams.get(out.request_id)
+            stream = self._streams.get(out.arrival)
             if stream is None:
                 continue  # the client already went away
             chunk, stop_matched = stream.to_chunk(out)
             if stop_matched:
                 self._finish_on_stop(out, chunk)
-            batches.setdefault(out.request_id, []).append(chunk)
-        for request_id, chunks in batches.items():
-            stream = self._streams[request_id]
+            batches.setdefault(out.arrival, []).append(chunk)
+        for arrival, chunks in batches.items():
+            stream = self._streams[arrival]
             timings = stream.push(chunks)
             if self._observer is not None:
                 self._observer.on_tokens(timings)
             if stream.done:
-                del self._streams[request_id]
+                del self._streams[arrival]
                 self._log_finished(stream, chunks)
 
     def _finish_on_stop(self, out: RequestOutput, chunk: Chunk) -> None:

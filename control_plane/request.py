@@ -113,3 +113,6 @@ class RequestOutput:
     logprobs: list[float] | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # set on the sample's last output
+    # The request's admission serial (Request.arrival): ids are reused once a request is
+    # retired, so the engine matches outputs to streams by this, never by id alone.
+    arrival: int = 0

@@ -80,11 +80,17 @@ class RequestStream:
     """Output queue of one request. Single consumer (the RPC handler), single producer (the loop)."""
 
     def __init__(
-        self, request_id: str, n: int, tokenizer: Tokenizer | None, stops: tuple[str, ...] = ()
+        self,
+        request_id: str,
+        n: int,
+        tokenizer: Tokenizer | None,
+        stops: tuple[str, ...] = (),
+        arrival: int = 0,
     ) -> None:
         if stops and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         self.request_id = request_id
+        self.arrival = arrival  # the request's admission serial: what outputs are matched by
         self.n = n
         self._texts = [_SampleText(tokenizer, stops) for _ in range(n)] if tokenizer is not None else None
         self._queue: asyncio.Queue[list[Chunk] | EngineError] = asyncio.Queue()

@@ -128,8 +128,9 @@ class SchedulerUpdate:
         usage = None
         if seq.status == SeqStatus.FINISHED:
             usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens, max(seq.num_cached_tokens, 0))
+        req = seq.request
         return RequestOutput(
-            seq.request.request_id, seq.sample_index, list(token_ids), logprobs, seq.finish_reason, usage
+            req.request_id, seq.sample_index, list(token_ids), logprobs, seq.finish_reason, usage, req.arrival
         )
 
     # -- ending samples from outside the step -------------------------------------------
@@ -142,11 +143,14 @@ class SchedulerUpdate:
         return req
 
     def abort_request(
-        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT, arrival: int | None = None
     ) -> list[RequestOutput]:
         """End every unfinished sample of a request; blocks are freed now, and the worker is
-        told to drop its mirrors in the next plan. Raises RequestNotFoundError."""
+        told to drop its mirrors in the next plan. `arrival`: only if the live request with
+        this id is that one (not a later request that reused the id). Raises RequestNotFoundError."""
         req = self._get(request_id)
+        if arrival is not None and req.arrival != arrival:
+            raise RequestNotFoundError(f"request {short(request_id)!r} already ended; its id was reused")
         outputs = []
         for seq in list(req.sequences):
             if seq.status != SeqStatus.FINISHED:
@@ -155,7 +159,9 @@ class SchedulerUpdate:
         # Samples of an n > 1 request that were never forked end too.
         for index in range(len(req.sequences), req.sampling.n):
             outputs.append(
-                RequestOutput(req.request_id, index, [], None, reason, Usage(req.num_prompt_tokens, 0, 0))
+                RequestOutput(
+                    req.request_id, index, [], None, reason, Usage(req.num_prompt_tokens, 0, 0), req.arrival
+                )
             )
         if req.request_id in self.requests:
             self._retire(req)

@@ -1,9 +1,12 @@
-"""An Abort that lands while the overlapped loop sends the next plan (the window in which the
-last step's tokens are appended to the sequences but not yet streamed) must not let the
-finish overtake those tokens: the finish's usage counts them. A 16-client soak found this
-("usage says 6 tokens, received 5"); here the window is held open on purpose.
-
-The worker is a SimWorker behind an in-process AsyncWorker whose `send` can be paused.
+"""Races in the overlapped loop's window between update(k) and streaming step k's outputs
+(while step k+2 is sent): the tokens are in the sequences, a finished request is retired and
+its id free, but nothing has reached the streams. The CI soak found two:
+  - an Abort in the window streamed its finish before those tokens, whose usage counted
+    them ("usage says 6 tokens, received 5");
+  - a request reusing a just-retired id in the window got the old request's last outputs,
+    and the old stream never ended.
+Here the window is held open on purpose: the worker is a SimWorker behind an in-process
+AsyncWorker whose `send` can be paused.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class PausableSimWorker:
         self.results: deque[StepResult] = deque()
         self.ready = asyncio.Event()
         self.pause_next = False
+        self.pause_when = None  # or a predicate: pause the first send made while it holds
         self.paused = asyncio.Event()
         self.gate = asyncio.Event()
 
@@ -46,6 +50,8 @@ class PausableSimWorker:
         pass
 
     async def send(self, plan: Plan, expected_instance_id: str = "") -> None:
+        if self.pause_when is not None and self.pause_when():
+            self.pause_next, self.pause_when = True, None
         if self.pause_next:
             self.pause_next = False
             self.paused.set()
@@ -97,3 +103,54 @@ def test_abort_during_the_overlapped_send_streams_the_counted_tokens_first():
     assert usage.prompt_tokens == 3
     assert usage.completion_tokens == len(tokens)
     assert len(tokens) >= 4  # the held step's token reached the stream
+
+
+async def _collect(stream) -> tuple[list[int], object, FinishReason]:
+    tokens, finish, usage = [], None, None
+    while finish is None:
+        for chunk in await asyncio.wait_for(stream.next(), 10.0):
+            assert finish is None, "a chunk after the finish"
+            tokens += chunk.token_ids
+            finish, usage = chunk.finish_reason, chunk.usage
+    return tokens, usage, finish
+
+
+async def _reuse_an_id_in_the_overlap_window():
+    worker = PausableSimWorker()
+    engine = AsyncEngine(worker, SchedulerConfig(max_num_seqs=4), EngineOptions(plans_in_flight=2))
+    engine.start()
+    try:
+        assert await engine.wait_available(10.0)
+        long = await engine.submit([1, 2], None, SamplingParams(max_tokens=40, ignore_eos=True))
+        first = await engine.submit(
+            [5, 6, 7], None, SamplingParams(max_tokens=4, ignore_eos=True), request_id="r"
+        )
+        # Pause the first send made after "r" was retired: its last outputs are held then.
+        worker.pause_when = lambda: "r" not in engine.scheduler.requests
+        await asyncio.wait_for(worker.paused.wait(), 10.0)
+        second = await engine.submit(
+            [9, 9], None, SamplingParams(max_tokens=3, ignore_eos=True), request_id="r"
+        )
+        worker.gate.set()
+        results = [await _collect(s) for s in (first, second, long)]
+        return results
+    finally:
+        await engine.stop()
+
+
+def test_an_id_reused_while_its_last_outputs_are_held_gets_only_its_own_stream():
+    (a_tokens, a_usage, a_finish), (b_tokens, b_usage, b_finish), _ = asyncio.run(
+        _reuse_an_id_in_the_overlap_window()
+    )
+    assert (a_finish, len(a_tokens), a_usage.prompt_tokens, a_usage.completion_tokens) == (
+        FinishReason.LENGTH,
+        4,
+        3,
+        4,
+    )
+    assert (b_finish, len(b_tokens), b_usage.prompt_tokens, b_usage.completion_tokens) == (
+        FinishReason.LENGTH,
+        3,
+        2,
+        3,
+    )
