@@ -4,10 +4,11 @@ Everything a launch needs besides device pointers is decided here, from shapes a
 limits only, so that the CUDA backend stays a thin layer and CUDA-graph safety can be
 checked without a device:
 
-  - `plan_decode` picks single-pass or split-K for the decode kernel. It sees only the row
-    count and an upper bound of the context (`max_seq_len`); the CUDA-graph runner passes the
-    buffer capacity (max_model_len) there, so grid and shared memory are the same on every
-    replay and the kernels skip partitions past each row's real context.
+  - `plan_decode` picks single-pass or split-K, and the partition size, for the decode
+    kernel from the SM count and the rows' context lengths (a makespan model). A CUDA graph
+    cannot know the lengths: it passes none and the buffer capacity (max_model_len) as the
+    bound, so grid and shared memory are the same on every replay and the kernels skip
+    partitions past each row's real context.
   - `prefill_grid` sizes the tensor-core prefill launch.
   - `KernelArgs` packs arguments for `cuLaunchKernel(kernelParams=...)`: one ctypes value
     per parameter, in the kernel's declaration order and C type, plus the `void*[]` that
@@ -33,11 +34,19 @@ from kernels.specs import (
     decode_smem_bytes,
 )
 
-# Keys per split-K partition. A multiple of every supported block size (<= 256), so each
-# partition starts on a block boundary as the decode kernel requires.
-PARTITION_TOKENS = 512
-# Split-K is used when the unsplit grid has fewer CTAs than this many per SM.
+# Split-K partition sizes the planner chooses from (keys). Only those that are multiples of
+# the block size are used: a partition must start on a block boundary (the decode kernel).
+PARTITION_CHOICES = (128, 256, 512, 1024, 2048, 4096)
+MAX_PARTITION_TOKENS = PARTITION_CHOICES[-1]
+# Decode CTAs resident per SM the planner counts on (the GQA-8 instantiations need ~230
+# registers x 128 threads: two fit in 64 K registers).
 TARGET_CTAS_PER_SM = 2
+# Cost model of plan_decode, in keys of one CTA (at ~3.3 TB/s over 132 SMs x 2 CTAs, one
+# fp16 key+value of head_dim 128 takes ~40 ns): a CTA's fixed work (start, q load, merge),
+# ~2.5 us, and a split's reduce launch, ~10 us with its launch gap. Estimates until
+# bench/gpu.py's decode sweep calibrates them on a device.
+CTA_FIXED_KEYS = 64
+REDUCE_KEYS = 256
 # Dynamic shared memory available without cuFuncSetAttribute.
 DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
 
@@ -201,22 +210,82 @@ def plan_decode(
     ctas_per_row: int,
     num_sms: int,
     dynamic_smem_limit: int = DEFAULT_DYNAMIC_SMEM_LIMIT,
+    row_contexts: Sequence[int] | None = None,
 ) -> DecodePlan:
-    """Choose single-pass or split-K from shapes only (never from per-row lengths).
+    """Choose single-pass or split-K, and the partition size, by a makespan model.
 
-    Split when the context is longer than one partition and either the unsplit grid would
-    leave SMs idle (few rows: small batches, long contexts) or the unsplit launch would need
-    more dynamic shared memory (block ids of the whole context) than the kernel may use.
+    `row_contexts` are the rows' context lengths when the host knows them (eager steps); a
+    CUDA graph passes None and every row is taken at `max_seq_len` (its capacity), so the
+    plan depends on the bucket and the capacity only. For each candidate (one pass, or
+    partitions of `PARTITION_CHOICES` tokens) the cost is the larger of the work spread over
+    `num_sms * TARGET_CTAS_PER_SM` resident CTAs and the longest single CTA, in keys, with
+    `CTA_FIXED_KEYS` per CTA and `REDUCE_KEYS` for a split's reduce launch. So batch 1 at a
+    long context splits until the SMs are full, a skewed batch splits its long row, and a
+    large uniform batch stays single-pass. One pass must also fit its block ids in
+    `dynamic_smem_limit`.
     """
     if rows < 1 or ctas_per_row < 1:
         raise ValueError(f"decode launch needs rows >= 1 and ctas_per_row >= 1, got {rows}, {ctas_per_row}")
-    single_tokens = round_up(max(max_seq_len, 1), block_size)
-    fits = decode_smem_bytes(single_tokens, block_size) <= dynamic_smem_limit
-    few_ctas = rows * ctas_per_row < TARGET_CTAS_PER_SM * num_sms
-    if max_seq_len <= PARTITION_TOKENS or (fits and not few_ctas):
-        return DecodePlan(rows, ctas_per_row, 1, single_tokens, block_size)
-    num_partitions = -(-max_seq_len // PARTITION_TOKENS)
-    return DecodePlan(rows, ctas_per_row, num_partitions, PARTITION_TOKENS, block_size)
+    max_seq_len = max(max_seq_len, 1)
+    contexts = [max_seq_len] * rows if row_contexts is None else [min(c, max_seq_len) for c in row_contexts]
+    slots = max(num_sms, 1) * TARGET_CTAS_PER_SM
+    single_tokens = round_up(max_seq_len, block_size)
+    best: tuple[float, DecodePlan] | None = None
+    if decode_smem_bytes(single_tokens, block_size) <= dynamic_smem_limit:
+        cost = _makespan(contexts, ctas_per_row, slots, single_tokens, max_seq_len, split=False)
+        best = (cost, DecodePlan(rows, ctas_per_row, 1, single_tokens, block_size))
+    for tokens in PARTITION_CHOICES:
+        if tokens % block_size or tokens >= max_seq_len:
+            continue
+        cost = _makespan(contexts, ctas_per_row, slots, tokens, max_seq_len, split=True)
+        if best is None or cost < best[0]:
+            partitions = -(-max_seq_len // tokens)
+            best = (cost, DecodePlan(rows, ctas_per_row, partitions, tokens, block_size))
+    if best is None:  # nothing fits: the largest block-aligned partition (tiny block sizes)
+        tokens = max(t for t in PARTITION_CHOICES if t % block_size == 0)
+        return DecodePlan(rows, ctas_per_row, -(-max_seq_len // tokens), tokens, block_size)
+    return best[1]
+
+
+def _makespan(
+    contexts: Sequence[int], ctas_per_row: int, slots: int, tokens: int, longest: int, split: bool
+) -> float:
+    """Estimated decode time in key-equivalents for partitions of `tokens` keys."""
+    ctas = sum(-(-max(c, 1) // tokens) for c in contexts) if split else len(contexts)
+    work = ctas_per_row * (sum(contexts) + ctas * CTA_FIXED_KEYS)
+    cost = max(work / slots, min(tokens, longest) + CTA_FIXED_KEYS)
+    return cost + REDUCE_KEYS if split else cost
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSplit:
+    """Which kernel takes which part of a varlen attention batch.
+
+    Query rows [0, decode_rows), of sequences [0, decode_seqs), go through the decode kernel
+    (with num_seqs = decode_seqs, so its row -> sequence search sees only them); sequences
+    [prefill_first_seq, S) go through the prefill kernel with the per-sequence arrays offset
+    by prefill_first_seq (query_start_loc holds absolute row offsets). No prefill launch when
+    prefill_first_seq is None.
+    """
+
+    decode_rows: int
+    decode_seqs: int
+    prefill_first_seq: int | None
+
+
+def split_attention(
+    num_rows: int, num_seqs: int, max_query_len: int, num_decode_seqs: int, tensor_core_prefill: bool
+) -> AttentionSplit:
+    """Decode rows to the decode kernel, prompts to the prefill kernel, in one step.
+
+    `num_decode_seqs`: how many leading sequences have exactly one query row (the worker
+    orders decodes first). Without a tensor-core prefill (fp32) the decode kernel takes every
+    row: it is correct for any varlen batch.
+    """
+    if max_query_len == 1 or not tensor_core_prefill:
+        return AttentionSplit(num_rows, num_seqs, None)
+    decodes = max(0, min(num_decode_seqs, num_seqs - 1))  # max_query_len > 1: a prompt exists
+    return AttentionSplit(decodes, decodes, decodes)
 
 
 def prefill_launch(max_query_len: int, num_heads: int, num_seqs: int, smem_bytes: int) -> LaunchConfig:

@@ -54,6 +54,11 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [S + 1], cumulative query lengths
     max_query_len: int
     max_seq_len: int
+    # Host-side facts the CUDA backend plans launches from (no device read): how many leading
+    # sequences have exactly one query row (decode rows: the decode kernel takes them, the
+    # prefill kernel the rest), and seq_lens on the host (None: unknown, e.g. a CUDA graph).
+    num_decode_seqs: int = 0
+    host_seq_lens: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -102,6 +107,8 @@ def build_model_inputs(
         query_start_loc=to_device(query_start_loc, torch.int32),
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
+        num_decode_seqs=_leading_single_rows(query_lens),
+        host_seq_lens=tuple(seq_lens.tolist()),
     )
     return ModelInputs(
         input_ids=to_device(input_ids, torch.int64),
@@ -143,6 +150,12 @@ def fill_decode_inputs(
     positions[num_seqs:] = 0
     slot_mapping[num_seqs:] = -1
     seq_lens[num_seqs:] = 0
+
+
+def _leading_single_rows(query_lens: np.ndarray) -> int:
+    """Length of the run of one-row sequences the batch starts with (the worker puts decodes first)."""
+    multi = np.flatnonzero(query_lens != 1)
+    return int(multi[0]) if multi.size else len(query_lens)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

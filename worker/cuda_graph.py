@@ -115,6 +115,8 @@ class StaticDecodeInputs:
             query_start_loc=self.query_start_loc[: bucket + 1],
             max_query_len=1,
             max_seq_len=max_model_len,  # the capacity, not this step's length: see module doc
+            num_decode_seqs=bucket,
+            host_seq_lens=None,  # a replay's lengths differ from the capture's
         )
 
 

@@ -123,6 +123,8 @@ class PagedKVCache:
             scale,
             meta.max_query_len,
             meta.max_seq_len,
+            num_decode_seqs=meta.num_decode_seqs,
+            host_seq_lens=meta.host_seq_lens,
         )
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:

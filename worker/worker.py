@@ -149,38 +149,42 @@ class Worker:
         self, plan: Plan
     ) -> tuple[list[ScheduledSequence], list[SamplingRow], list[int]]:
         """Mutate the mirrors as the (validated) plan says; return the step's scheduled
-        sequences in plan order, plus a sampling row and seq id per sampling sequence."""
+        sequences, decodes (one input token) first and otherwise in plan order, plus a
+        sampling row and seq id per sampling sequence in the same order. Decodes first lets
+        the CUDA backend run them through the decode kernel and only the rest through the
+        prefill kernel (AttentionMetadata.num_decode_seqs)."""
         for seq_id in plan.finished:
             self.mirrors.drop(seq_id)
             self.kv_cache.release(seq_id)
-        scheduled: list[ScheduledSequence] = []
-        rows: list[SamplingRow] = []
-        sampled_ids: list[int] = []
+        steps: list[tuple[ScheduledSequence, SamplingRow | None, int]] = []
         for seq in plan.new:
             mirror = self.mirrors.register(seq)
             self.kv_cache.register(seq.seq_id)
-            scheduled.append(
-                self._scheduled(seq.seq_id, mirror.block_ids, seq.token_ids, seq.start_pos, seq.sample)
-            )
+            row = None
             if seq.sample:
                 position = seq.start_pos + len(seq.token_ids)
-                rows.append(SamplingRow(seq.sampling, seq.sample_index, position, seq.num_samples))
-                sampled_ids.append(seq.seq_id)
+                row = SamplingRow(seq.sampling, seq.sample_index, position, seq.num_samples)
+            scheduled = self._scheduled(
+                seq.seq_id, mirror.block_ids, seq.token_ids, seq.start_pos, seq.sample
+            )
+            steps.append((scheduled, row, seq.seq_id))
         for seq in plan.continuing:
             mirror = self.mirrors.apply_delta(seq)
             # Overlap scheduling: the token sampled last step, which the control plane has
             # not seen yet. Any step consumes the previous sample (fed or superseded).
             token_ids = [mirror.last_sample] if seq.feed_last_sample else seq.token_ids
             mirror.last_sample = None
-            scheduled.append(
-                self._scheduled(seq.seq_id, mirror.block_ids, token_ids, seq.start_pos, seq.sample)
-            )
+            row = None
             if seq.sample:
                 position = seq.start_pos + len(token_ids)
                 # A chunked prompt's last chunk carries the n > 1 fan-out here.
-                rows.append(SamplingRow(mirror.sampling, mirror.sample_index, position, seq.num_samples))
-                sampled_ids.append(seq.seq_id)
-        return scheduled, rows, sampled_ids
+                row = SamplingRow(mirror.sampling, mirror.sample_index, position, seq.num_samples)
+            scheduled = self._scheduled(seq.seq_id, mirror.block_ids, token_ids, seq.start_pos, seq.sample)
+            steps.append((scheduled, row, seq.seq_id))
+        steps.sort(key=lambda step: len(step[0].token_ids) != 1)  # stable: decodes first
+        rows = [row for _, row, _ in steps if row is not None]
+        sampled_ids = [seq_id for _, row, seq_id in steps if row is not None]
+        return [scheduled for scheduled, _, _ in steps], rows, sampled_ids
 
     def _scheduled(
         self, seq_id: int, block_ids: list[int], token_ids: list[int], start_pos: int, sample: bool

@@ -8,7 +8,7 @@ import pytest
 
 from kernels.build import compile_program
 from kernels.cubin_cache import CubinCache
-from kernels.launch import DEFAULT_DYNAMIC_SMEM_LIMIT, PARTITION_TOKENS
+from kernels.launch import DEFAULT_DYNAMIC_SMEM_LIMIT, MAX_PARTITION_TOKENS
 from kernels.specs import cache_ops_program, decode_smem_bytes, prefill_smem_bytes
 from tests.kernels.conftest import record_resource_table
 from tests.kernels.instantiations import ARCHS, all_programs
@@ -27,7 +27,7 @@ def dynamic_smem_needed(expression: str) -> int:
         return prefill_smem_bytes(dtype, head_dim)
     if expression.startswith("pkv::paged_attention_kernel<"):
         block_size = int(expression.split(",")[2])
-        return decode_smem_bytes(PARTITION_TOKENS, block_size)
+        return decode_smem_bytes(MAX_PARTITION_TOKENS, block_size)
     return 0
 
 

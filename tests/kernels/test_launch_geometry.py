@@ -85,17 +85,43 @@ def test_short_contexts_run_in_one_pass():
 def test_long_contexts_at_small_batch_split_and_reduce():
     plan = plan_decode(rows=2, max_seq_len=4097, block_size=16, ctas_per_row=8, num_sms=132)
     assert plan.split
-    assert plan.num_partitions == 9
-    assert plan.attention.grid == (2, 8, 9)
+    assert plan.num_partitions * plan.partition_tokens >= 4097
+    assert (plan.num_partitions - 1) * plan.partition_tokens < 4097, "no partition is always empty"
+    assert plan.attention.grid == (2, 8, plan.num_partitions)
     assert plan.reduce(num_heads=32).grid == (2, 32, 1)
-    assert plan.partial_shapes(32, 128) == ((2, 32, 9, 128), (2, 32, 9, 2))
+    p = plan.num_partitions
+    assert plan.partial_shapes(32, 128) == ((2, 32, p, 128), (2, 32, p, 2))
+
+
+@pytest.mark.parametrize("num_sms", [16, 132])  # Orin AGX, H100 SXM
+def test_batch_one_at_a_long_context_splits_until_every_sm_has_work(num_sms):
+    """The issue's case: 8 KV heads, 4k context, batch 1. A fixed 512-token split gave 64
+    CTAs on 132 SMs; the planner fills the device (and no more than two waves)."""
+    plan = plan_decode(rows=1, max_seq_len=4096, block_size=16, ctas_per_row=8, num_sms=num_sms)
+    ctas = 8 * plan.num_partitions
+    assert num_sms <= ctas <= 2 * launch.TARGET_CTAS_PER_SM * num_sms, (num_sms, plan)
+    orin, h100 = (plan_decode(1, 4096, 16, 8, n) for n in (16, 132))
+    assert orin.num_partitions < h100.num_partitions, "fewer SMs want fewer, longer partitions"
+
+
+def test_a_skewed_batch_splits_its_long_row_but_a_short_batch_does_not():
+    short = [256] * 31
+    skewed = plan_decode(32, 16384, 16, 8, 132, row_contexts=[16384, *short])
+    assert skewed.split, "one 16k row among short ones must not run alone as a tail"
+    # The tail is gone: the longest CTA is a partition, far below the long row's 16k keys.
+    assert skewed.partition_tokens <= 2048
+    uniform = plan_decode(32, 256, 16, 8, 132, row_contexts=[256] * 32)
+    assert not uniform.split
 
 
 def test_large_batches_stay_single_pass_unless_shared_memory_does_not_fit():
     big = plan_decode(rows=512, max_seq_len=4096, block_size=16, ctas_per_row=8, num_sms=132)
     assert not big.split
+    busy = plan_decode(64, 4096, 16, 8, 132, row_contexts=[4096] * 64)
+    assert not busy.split, "64 x 8 CTAs of equal length already fill 132 SMs"
     tight = plan_decode(rows=512, max_seq_len=1 << 20, block_size=1, ctas_per_row=8, num_sms=132)
     assert tight.split, "4 MB of block ids cannot be dynamic shared memory"
+    assert tight.attention.smem_bytes <= launch.DEFAULT_DYNAMIC_SMEM_LIMIT
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 8, 16, 32, 64, 128, 256])
@@ -105,12 +131,84 @@ def test_partitions_start_on_block_boundaries(block_size):
 
 
 def test_graph_capacity_plan_does_not_depend_on_this_steps_lengths():
-    """The graph runner passes max_model_len: the plan (grid, smem, arguments) is a function of
-    the bucket and the capacity only, whatever the sequences' real lengths are."""
+    """The graph runner passes max_model_len and no lengths: the plan (grid, smem, arguments)
+    is a function of the bucket and the capacity only, the plan for every row at capacity."""
     plans = {plan_decode(8, 4096, 16, 2, 132) for _ in range(3)}
     assert len(plans) == 1
     (plan,) = plans
-    assert plan.attention.smem_bytes == 4 * launch.PARTITION_TOKENS // 16
+    assert plan == plan_decode(8, 4096, 16, 2, 132, row_contexts=[4096] * 8)
+    assert plan.attention.smem_bytes == 4 * plan.partition_tokens // 16
+
+
+def _sequence_of_row(qsl, num_seqs, row):
+    """common.cuh sequence_of_row: the last sequence among [0, num_seqs) starting at or before row."""
+    lo, hi = 0, num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        lo, hi = (mid, hi) if qsl[mid] <= row else (lo, mid - 1)
+    return lo
+
+
+def _context_of_row(qsl, seq_lens, seq, row):
+    """common.cuh context_of_row: keys a causal row sees."""
+    return max(seq_lens[seq] - (qsl[seq + 1] - row) + 1, 0)
+
+
+def _emulate_split(query_lens, seq_lens, num_decode_seqs, tensor_cores=True):
+    """Which (kernel, sequence, context) each query row gets, launching as the CUDA backend
+    does from split_attention: the decode grid over rows [0, decode_rows) with num_seqs =
+    decode_seqs; the prefill grid over blockIdx.z in [0, S - first) with the per-sequence
+    arrays offset by `first` (prefill_attention.cu: q_begin = qsl[z], q_len = qsl[z+1] -
+    q_begin, first position = seq_lens[z] - q_len)."""
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
+    split = launch.split_attention(qsl[-1], len(query_lens), max(query_lens), num_decode_seqs, tensor_cores)
+    covered = {}
+    for row in range(split.decode_rows):
+        seq = _sequence_of_row(qsl, split.decode_seqs, row)
+        covered.setdefault(row, []).append(("decode", seq, _context_of_row(qsl, seq_lens, seq, row)))
+    if split.prefill_first_seq is not None:
+        first = split.prefill_first_seq
+        qsl_view, lens_view = qsl[first:], list(seq_lens[first:])
+        for z in range(len(query_lens) - first):
+            q_begin, q_len = qsl_view[z], qsl_view[z + 1] - qsl_view[z]
+            first_pos = lens_view[z] - q_len
+            for m in range(q_len):
+                covered.setdefault(q_begin + m, []).append(("prefill", first + z, first_pos + m + 1))
+    return split, covered
+
+
+@pytest.mark.parametrize(
+    "query_lens, num_decode_seqs",
+    [([1, 1, 1, 7, 3], 3), ([1, 5], 1), ([9, 2], 0), ([1, 1, 1], 3), ([1, 4, 1], 1), ([1], 1)],
+)
+def test_mixed_step_covers_every_row_once_with_its_own_context(query_lens, num_decode_seqs):
+    """Index math of the mixed launch, emulated: every query row is computed by exactly one
+    kernel, for its own sequence, over exactly the keys the causal rule gives it."""
+    rng = np.random.default_rng(len(query_lens) * 10 + num_decode_seqs)
+    seq_lens = [q + int(rng.integers(0, 50)) for q in query_lens]
+    split, covered = _emulate_split(query_lens, seq_lens, num_decode_seqs)
+    expected = {}
+    row = 0
+    for seq, (q, n) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        for m in range(q):
+            expected[row] = (seq, n - q + m + 1)
+            row += 1
+    assert sorted(covered) == sorted(expected)
+    for row, launches in covered.items():
+        assert len(launches) == 1, f"row {row} computed twice: {launches}"
+        kernel, seq, context = launches[0]
+        assert (seq, context) == expected[row]
+        assert (kernel == "decode") == (
+            query_lens[seq] == 1 and seq < num_decode_seqs or max(query_lens) == 1
+        )
+    if max(query_lens) > 1:
+        assert split.decode_seqs == num_decode_seqs
+
+
+def test_fp32_has_no_tensor_core_prefill_so_the_decode_kernel_takes_every_row():
+    split, covered = _emulate_split([1, 6, 2], [5, 6, 9], 1, tensor_cores=False)
+    assert split.prefill_first_seq is None and split.decode_rows == 9
+    assert {launches[0][0] for launches in covered.values()} == {"decode"}
 
 
 def test_prefill_grid_covers_the_longest_query_in_64_row_tiles():

@@ -19,6 +19,7 @@ h // (num_heads // num_kv_heads).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from torch import Tensor
@@ -44,9 +45,13 @@ class AttentionBackend(Protocol):
         scale: float,
         max_query_len: int,
         max_seq_len: int,
+        num_decode_seqs: int = 0,
+        host_seq_lens: Sequence[int] | None = None,
     ) -> Tensor:
         """Causal attention of every query token over its sequence's paged K/V; returns
-        [T, num_heads, head_dim] in the query dtype."""
+        [T, num_heads, head_dim] in the query dtype. Hints that change no result: the first
+        `num_decode_seqs` sequences have exactly one query row each, and `host_seq_lens` is
+        seq_lens on the host (AttentionMetadata)."""
         ...
 
     def copy_blocks(self, k_caches: list[Tensor], v_caches: list[Tensor], block_pairs: Tensor) -> None:

@@ -15,6 +15,8 @@ The ops are device-agnostic torch, so they also run (slowly) on a CUDA tensor.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -77,6 +79,8 @@ class CpuAttentionBackend:
         scale: float,
         max_query_len: int,
         max_seq_len: int,
+        num_decode_seqs: int = 0,  # launch hints of the CUDA backend: no use here
+        host_seq_lens: Sequence[int] | None = None,
     ) -> Tensor:
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         # One gather per pool for the whole batch (not one per sequence): the slot of every

@@ -5,8 +5,10 @@ Implements worker.backends.base.AttentionBackend with the same semantics as the 
 tokens, causal rule and GQA mapping as documented there). Torch does everything else.
 
     write_kv         write_kv_kernel<T>: one CTA per token, 16-byte vectors
-    paged_attention  max_query_len == 1, or fp32:  paged_attention_kernel (+ split-K reduce)
-                     max_query_len  > 1, fp16/bf16: prefill_attention_kernel (tensor cores)
+    paged_attention  decode rows (the first num_decode_seqs sequences, one row each), every
+                     row in fp32: paged_attention_kernel (+ split-K reduce);
+                     the other sequences, fp16/bf16: prefill_attention_kernel (tensor cores).
+                     A mixed step launches both, each over its own sequences.
     copy_blocks      copy_blocks_kernel: all layers' K and V pools in one launch
 
 Kernels are compiled on first use for the device's arch (through the on-disk cubin cache)
@@ -15,13 +17,15 @@ geometry or driver fails at worker start, not on the first request.
 
 CUDA-graph safety: no op here synchronises with the host or reads a tensor's values; every
 launch argument is a pointer or a shape-derived constant. The decode launch is planned from
-(rows, max_seq_len) only, so a graph runner that passes its buffer capacity as max_seq_len
-gets the same grid, shared memory and arguments on every replay (kernels.launch.plan_decode).
+host-side facts (rows, max_seq_len, and the rows' lengths when given); a graph runner passes
+its buffer capacity as max_seq_len and no lengths, and gets the same grid, shared memory and
+arguments on every replay (kernels.launch.plan_decode).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -34,11 +38,13 @@ from kernels.launch import (
     PREFILL_SIGNATURE,
     REDUCE_SIGNATURE,
     WRITE_KV_SIGNATURE,
+    AttentionSplit,
     KernelArgs,
     check_kv_pools,
     copy_blocks_launch,
     plan_decode,
     prefill_launch,
+    split_attention,
     write_kv_launch,
 )
 from kernels.specs import (
@@ -77,7 +83,11 @@ class CudaAttentionBackend:
 
     name = "cuda"
 
-    def __init__(self, device: torch.device | str, cache: CubinCache | None = None) -> None:
+    def __init__(
+        self, device: torch.device | str, cache: CubinCache | None = None, poison_workspace: bool = False
+    ) -> None:
+        """`poison_workspace` (tests): split-K partials start as NaN, so a partition the reduce
+        reads but no CTA wrote shows in the output."""
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"CudaAttentionBackend needs a CUDA device, got {device}")
@@ -94,6 +104,7 @@ class CudaAttentionBackend:
         self.cache = cache if cache is not None else CubinCache()
         self._loaded: dict[ProgramSpec, dict[str, LoadedKernel]] = {}
         self._pointer_tables: dict[tuple[int, ...], Tensor] = {}
+        self.poison_workspace = poison_workspace
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -153,6 +164,8 @@ class CudaAttentionBackend:
         scale: float,
         max_query_len: int,
         max_seq_len: int,
+        num_decode_seqs: int = 0,
+        host_seq_lens: Sequence[int] | None = None,
     ) -> Tensor:
         out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
         self.paged_attention_into(
@@ -166,6 +179,8 @@ class CudaAttentionBackend:
             scale,
             max_query_len,
             max_seq_len,
+            num_decode_seqs,
+            host_seq_lens,
         )
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
@@ -181,6 +196,8 @@ class CudaAttentionBackend:
         scale: float,
         max_query_len: int,
         max_seq_len: int,
+        num_decode_seqs: int = 0,
+        host_seq_lens: Sequence[int] | None = None,
     ) -> None:
         """`paged_attention` into a caller-owned contiguous `out` (tests poison it with NaN to
         prove every element is written)."""
@@ -205,10 +222,14 @@ class CudaAttentionBackend:
         lens = seq_lens.to(torch.int32).contiguous()
         qsl = query_start_loc.to(torch.int32).contiguous()
         query = aligned_rows(query.to(k_cache.dtype))
-        if max_query_len > 1 and geometry.dtype != "float32":
-            self._prefill(out, query, k_cache, v_cache, tables, lens, qsl, scale, max_query_len, geometry)
-        else:
-            self._decode(out, query, k_cache, v_cache, tables, lens, qsl, scale, max_seq_len, geometry)
+        pools = (k_cache, v_cache, tables, lens, qsl)
+        split = split_attention(
+            query.shape[0], lens.shape[0], max_query_len, num_decode_seqs, geometry.dtype != "float32"
+        )
+        if split.decode_rows:
+            self._decode(out, query, pools, scale, max_seq_len, geometry, split, host_seq_lens)
+        if split.prefill_first_seq is not None:
+            self._prefill(out, query, pools, scale, max_query_len, geometry, split.prefill_first_seq)
 
     def copy_blocks(self, k_caches: list[Tensor], v_caches: list[Tensor], block_pairs: Tensor) -> None:
         """One launch over every (pair, pool). Requires, as the control plane guarantees,
@@ -230,11 +251,15 @@ class CudaAttentionBackend:
 
     # -- launches --------------------------------------------------------------------------
 
-    def _decode(self, out, query, k_cache, v_cache, tables, lens, qsl, scale, max_seq_len, g) -> None:
+    def _decode(self, out, query, pools, scale, max_seq_len, g, split: AttentionSplit, host_seq_lens) -> None:
+        """The split's decode rows through the decode kernel (see AttentionSplit)."""
+        k_cache, v_cache, tables, lens, qsl = pools
+        rows, num_seqs = split.decode_rows, split.decode_seqs
+        # The planner wants per-row lengths: the sequences' only when rows are sequences.
+        contexts = host_seq_lens[:num_seqs] if host_seq_lens is not None and rows == num_seqs else None
         spec = decode_program(g.dtype, g.head_dim, g.block_size, g.group_tile)
         kernels = self._kernels(spec)
         attention = kernels[spec.name_expressions[0]]
-        rows = query.shape[0]
         plan = plan_decode(
             rows,
             max_seq_len,
@@ -242,13 +267,15 @@ class CudaAttentionBackend:
             g.num_kv_heads * g.head_chunks,
             self.driver.num_sms,
             attention.max_dynamic_smem,
+            row_contexts=contexts,
         )
         part_out = part_ml = None
         if plan.split:
             acc_shape, ml_shape = plan.partial_shapes(g.num_heads, g.head_dim)
-            part_out = torch.empty(acc_shape, dtype=torch.float32, device=self.device)
-            part_ml = torch.empty(ml_shape, dtype=torch.float32, device=self.device)
-        num_seqs = lens.shape[0]
+            allocate = torch.full if self.poison_workspace else torch.empty
+            fill = (math.nan,) if self.poison_workspace else ()
+            part_out = allocate(acc_shape, *fill, dtype=torch.float32, device=self.device)
+            part_ml = allocate(ml_shape, *fill, dtype=torch.float32, device=self.device)
         args = KernelArgs(
             DECODE_SIGNATURE,
             (
@@ -288,12 +315,15 @@ class CudaAttentionBackend:
             )
             kernels[spec.name_expressions[1]].launch(plan.reduce(g.num_heads), reduce_args, stream)
 
-    def _prefill(self, out, query, k_cache, v_cache, tables, lens, qsl, scale, max_query_len, g) -> None:
+    def _prefill(self, out, query, pools, scale, max_query_len, g, first_seq: int) -> None:
+        """Sequences [first_seq, S) through the prefill kernel: the per-sequence arrays are
+        passed from `first_seq` on (query_start_loc holds absolute row offsets, so `query` and
+        `out` stay whole)."""
+        k_cache, v_cache, tables, lens, qsl = pools
         spec = prefill_program(g.dtype, g.head_dim, g.block_size)
         kernel = self._kernels(spec)[spec.name_expressions[0]]
-        config = prefill_launch(
-            max_query_len, g.num_heads, lens.shape[0], prefill_smem_bytes(g.dtype, g.head_dim)
-        )
+        num_seqs = lens.shape[0] - first_seq
+        config = prefill_launch(max_query_len, g.num_heads, num_seqs, prefill_smem_bytes(g.dtype, g.head_dim))
         args = KernelArgs(
             PREFILL_SIGNATURE,
             (
@@ -302,10 +332,10 @@ class CudaAttentionBackend:
                 query.stride(0),
                 k_cache.data_ptr(),
                 v_cache.data_ptr(),
-                tables.data_ptr(),
+                tables[first_seq:].data_ptr(),
                 tables.stride(0),
-                lens.data_ptr(),
-                qsl.data_ptr(),
+                lens[first_seq:].data_ptr(),
+                qsl[first_seq:].data_ptr(),
                 g.num_heads,
                 g.num_kv_heads,
                 scale * LOG2E,
