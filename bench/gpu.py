@@ -1,170 +1,637 @@
-"""GPU benchmarks (`make bench-gpu` = `python -m bench.gpu`); without a GPU it says so and exits 0.
+"""GPU benchmarks (`make bench-gpu` = `python -m bench.gpu [--budget-s S] [--quick]`); without a
+CUDA device it says so and exits 0.
 
-1. device-to-device copy bandwidth (the roofline the decode kernel is measured against);
-2. paged decode attention, fp16, head_dim 128, 32 query / 8 KV heads, block 16, at batch
-   1/16/64 x context 512/4096/16384: achieved bandwidth = K/V bytes read / time, as a
-   fraction of the copy bandwidth (goal >= 0.8), and time relative to torch's
-   scaled_dot_product_attention on contiguous copies of the same K/V;
-3. decode step of the embedded default model, CUDA graph vs eager, at batch 1 and 32;
-4. end-to-end decode tokens/s of random:qwen2.5-0.5b (~0.5B parameters, bf16) at batch 1/32.
+What is measured, in this order (bounded sections first; the decode sweep, the longest, last,
+so that a short budget truncates it rather than dropping a section):
 
-Timing: CUDA events, median of repeated runs after warm-up. Results: printed, and written
-as JSON to bench/results/gpu-<date>-<commit>.json.
+1. copy: device-to-device copy bandwidth of a 1 GiB tensor, bytes read + written per second:
+   the ceiling the decode kernel is compared against, measured in the same run;
+2. launch: host cost of one kernel launch (KernelArgs packing + cuLaunchKernel of a tiny
+   kernel, and the whole backend.write_kv call), time.perf_counter over 1000 launches,
+   beside torch's own launch of a tiny op;
+3. prefill: backend.paged_attention over 4 x 2048-token causal prompts, fp16 and bf16, in
+   TFLOP/s (4 * seq * seq/2 * heads * head_dim per sequence), beside torch SDPA (causal)
+   on contiguous K/V;
+4. mixed: one call with D decode rows first and P prompts after, num_decode_seqs=D (decode
+   rows through the decode kernel, prompts through the prefill kernel) vs num_decode_seqs=0
+   (everything through the prefill kernel);
+5. steps: a worker's decode step, CUDA graph vs eager, for the embedded default model and
+   random:qwen2.5-0.5b, batch 1 and 32: wall ms per worker.execute (tokens come back to the
+   host, so each step is complete when it returns);
+6. decode: backend.paged_attention with max_query_len=1, fp16, 32 query heads, head_dim 128,
+   block 16, GQA groups 4/8/1 (8/4/32 KV heads) x contexts 1k-32k x batches 1/8/64: K/V bytes
+   read per second as a fraction of the copy bandwidth; the same kernel over a sequential
+   table (each sequence's blocks adjacent, the contiguous layout's memory order); torch SDPA
+   (no math fallback) on that contiguous K/V. Cases whose pools would exceed 40% of free
+   GPU memory are skipped with the reason. (A one-block-per-sequence table with
+   block_size = context cannot be timed: the kernels are instantiated for block sizes up to
+   kernels.specs.MAX_BLOCK_SIZE = 256.)
+
+Kernel timing (sections 1, 3, 4, 6): one Python call between two CUDA events would time the
+host (~100 us of Python and driver calls) rather than a 5-20 us kernel. So each measurement
+captures N calls into one CUDA graph (or, when capture fails, queues the N calls eagerly;
+the row says which) and reports (end - start) / N, median of REPEATS replays. Before every
+replay L2 is flushed by reading a buffer of 4x the L2 size (a read, not a write: a write
+would leave dirty lines whose write-back would land inside the timed region). Within a
+replay, consecutive calls would hit L2 when a case's K/V is smaller than L2: such a case is
+given several independent pool copies (>= 4x L2 in all) that the N calls rotate through, and
+is reported `l2_resident` only if the copy cap still leaves it under 2x L2.
+
+A global budget (--budget-s, default 300) stops new cases once spent; what was skipped is
+printed and recorded. Results are printed as tables and written (after every section, so a
+killed run keeps what it measured) to bench/results/gpu-<date>-<commit>.json.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
+import functools
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from bench.gpu_report import fmt, save, summary
+from bench.gpu_timing import (
+    FLUSH_FACTOR,
+    MIN_LAUNCHES,
+    REPEATS,
+    Budget,
+    Timer,
+    free_bytes,
+    host_us,
+    l2_bytes,
+    release,
+    repeated,
+    rotation_copies,
+)
 from bench.report import commit
 from control_plane.plan import ContinuingSequence, NewSequence, Plan, SamplingParams
 
 RESULTS_DIR = Path(__file__).parent / "results"
-WARMUP, REPEATS = 5, 30
+DEFAULT_BUDGET_S = 300.0
+MEMORY_FRACTION = 0.4  # of free GPU memory a case's pools may take
+COPY_BYTES = 1 << 30
+
+HEADS, HEAD_DIM, BLOCK = 32, 128, 16
+SCALE = HEAD_DIM**-0.5
+DECODE_GROUPS = (4, 8, 1)  # query heads per KV head; the most common geometry first
+DECODE_CONTEXTS = (1024, 4096, 16384, 32768)
+DECODE_BATCHES = (1, 8, 64)
+PREFILL_SEQS, PREFILL_LEN, PREFILL_KV_HEADS = 4, 2048, 8
+MIXED_CASES = (  # (decode rows, their context, prompts, prompt length)
+    (32, 2048, 2, 512),
+    (8, 8192, 1, 1024),
+)
+STEP_MODELS = (None, "random:qwen2.5-0.5b")  # None: the embedded default model
+STEP_BATCHES = (1, 32)
+STEP_PROMPT, STEP_WARMUP, STEP_TIMED = 128, 5, 40
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def cuda_time_ms(fn: Callable[[], object], warmup: int = WARMUP, repeats: int = REPEATS) -> float:
-    """Median milliseconds of `fn` on the current stream, measured with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+# -- 1. copy bandwidth ---------------------------------------------------------------------
 
 
-def copy_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(timer: Timer) -> dict:
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = cuda_time_ms(lambda: dst.copy_(src))
-    return 2 * num_bytes / ms / 1e6  # read + write
+    ms, method = timer.per_call_ms(repeated([lambda: dst.copy_(src)]))
+    return {"bytes": COPY_BYTES, "ms": ms, "gb_per_s": 2 * COPY_BYTES / ms / 1e6, "method": method}
 
 
-def decode_attention(backend, batch: int, context: int, copy_gbs: float) -> dict:
-    heads, kv_heads, head_dim, block_size, dtype = 32, 8, 128, 16, torch.float16
-    blocks_per_seq = context // block_size
-    num_blocks = batch * blocks_per_seq + 1
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device="cuda")
-    v_cache = torch.randn_like(k_cache)
-    tables = (torch.randperm(num_blocks - 1, device="cuda") + 1).to(torch.int32).view(batch, blocks_per_seq)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    query = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
-    scale = head_dim**-0.5
-    paged_ms = cuda_time_ms(
-        lambda: backend.paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, scale, 1, context)
+# -- 2. launch overhead --------------------------------------------------------------------
+
+
+def launch_overhead(backend) -> dict:
+    """write_kv_kernel on one padding token (slot -1: it reads the slot and returns)."""
+    from kernels.launch import WRITE_KV_SIGNATURE, KernelArgs, write_kv_launch
+    from kernels.specs import cache_ops_program
+
+    spec = cache_ops_program("float16")
+    kernel = backend.driver.load(spec, backend.cache)[spec.name_expressions[0]]
+    k_cache = torch.zeros(4, 16, 2, 64, dtype=torch.float16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.zeros(1, 2, 64, dtype=torch.float16, device="cuda")
+    value = torch.zeros_like(key)
+    slots = torch.full((1,), -1, dtype=torch.int64, device="cuda")
+    values = (
+        *(t.data_ptr() for t in (k_cache, v_cache, key, value, slots)),
+        key.stride(0),
+        value.stride(0),
+        2 * 64,
     )
-    keys = k_cache[tables.long()].view(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
-    values = v_cache[tables.long()].view(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
-    q = query.view(batch, heads, 1, head_dim)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    sdpa_ms = cuda_time_ms(lambda: sdpa(q, keys, values, scale=scale, enable_gqa=True))
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
-    achieved = kv_bytes / paged_ms / 1e6
+    config = write_kv_launch(1)
+    backend.driver.make_current()
+    stream = torch.cuda.current_stream().cuda_stream
+    prebuilt = KernelArgs(WRITE_KV_SIGNATURE, values)
+    tiny = torch.zeros(16, device="cuda")
     return {
-        "batch": batch,
-        "context": context,
-        "paged_ms": paged_ms,
-        "sdpa_contiguous_ms": sdpa_ms,
-        "paged_over_sdpa_time": paged_ms / sdpa_ms,
-        "kv_gb_per_s": achieved,
-        "fraction_of_copy_bandwidth": achieved / copy_gbs,
+        "kernel_args_us": host_us(lambda: KernelArgs(WRITE_KV_SIGNATURE, values)),
+        "launch_prebuilt_args_us": host_us(lambda: kernel.launch(config, prebuilt, stream)),
+        "args_and_launch_us": host_us(
+            lambda: kernel.launch(config, KernelArgs(WRITE_KV_SIGNATURE, values), stream)
+        ),
+        "backend_write_kv_us": host_us(lambda: backend.write_kv(k_cache, v_cache, key, value, slots)),
+        "torch_tiny_add_us": host_us(lambda: tiny.add_(1.0)),
     }
 
 
-def decode_step_ms(model: str | None, batch: int, cuda_graph: bool, steps: int = 40) -> float:
-    """Median worker.execute time of a decode step of `batch` sequences (128-token prompts)."""
+# -- shared attention inputs ---------------------------------------------------------------
+
+
+@dataclass
+class PagedBatch:
+    """K/V pools holding `copies` independent instances of one batch, with per-copy tables in
+    two orders: shuffled block ids (paged) and sequential ones (contiguous memory)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    shuffled: list[torch.Tensor]
+    sequential: list[torch.Tensor]
+    blocks_per_copy: int
+
+
+def paged_batch(contexts: Sequence[int], kv_heads: int, dtype: torch.dtype, copies: int = 1) -> PagedBatch:
+    blocks = [-(-ctx // BLOCK) for ctx in contexts]
+    per_copy = sum(blocks)
+    shape = (1 + copies * per_copy, BLOCK, kv_heads, HEAD_DIM)
+    k = torch.randn(shape, dtype=dtype, device="cuda")
+    v = torch.randn(shape, dtype=dtype, device="cuda")
+    perm = (torch.randperm(copies * per_copy, device="cuda") + 1).to(torch.int32)
+    ordered = torch.arange(1, 1 + copies * per_copy, dtype=torch.int32, device="cuda")
+    shuffled = [table_of(perm[c * per_copy : (c + 1) * per_copy], blocks) for c in range(copies)]
+    sequential = [table_of(ordered[c * per_copy : (c + 1) * per_copy], blocks) for c in range(copies)]
+    return PagedBatch(k, v, shuffled, sequential, per_copy)
+
+
+def table_of(ids: torch.Tensor, blocks: Sequence[int]) -> torch.Tensor:
+    """Block ids, consumed in order, as a [sequences, max blocks] table padded with block 0."""
+    table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device="cuda")
+    start = 0
+    for s, n in enumerate(blocks):
+        table[s, :n] = ids[start : start + n]
+        start += n
+    return table
+
+
+def lengths(seqs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq_lens, query_start_loc) of [(context, query length)] on the device."""
+    seq_lens = torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32, device="cuda")
+    starts = [0]
+    for _, q in seqs:
+        starts.append(starts[-1] + q)
+    return seq_lens, torch.tensor(starts, dtype=torch.int32, device="cuda")
+
+
+def contiguous_kv(batch: PagedBatch, copy: int, num_seqs: int, context: int) -> tuple[torch.Tensor, ...]:
+    """Copy `copy`'s K and V, sequential layout, as SDPA's [B, kv_heads, context, head_dim]
+    views (no copy: block b of sequence s holds its tokens b*BLOCK.. in order)."""
+    first = 1 + copy * batch.blocks_per_copy
+    views = []
+    for pool in (batch.k, batch.v):
+        rows = pool[first : first + batch.blocks_per_copy]
+        views.append(rows.reshape(num_seqs, context, pool.shape[2], HEAD_DIM).transpose(1, 2))
+    return tuple(views)
+
+
+def sdpa_ms(timer: Timer, calls: Sequence[Callable[[], object]]) -> tuple[float | None, str]:
+    """SDPA timed with the math backend excluded (it would expand GQA's K/V, tens of GB at the
+    large cases); (None, reason) when no fused kernel takes the shapes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    try:
+        with sdpa_kernel(fused):
+            return timer.per_call_ms(calls)
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+        return None, f"sdpa unavailable: {str(exc).splitlines()[0][:160]}"
+
+
+# -- 3. prefill ----------------------------------------------------------------------------
+
+
+def prefill_case(backend, timer: Timer, dtype: torch.dtype) -> dict:
+    seqs = [(PREFILL_LEN, PREFILL_LEN)] * PREFILL_SEQS
+    batch = paged_batch([ctx for ctx, _ in seqs], PREFILL_KV_HEADS, dtype)
+    seq_lens, qsl = lengths(seqs)
+    query = torch.randn(PREFILL_SEQS * PREFILL_LEN, HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    table = batch.shuffled[0]
+    call = functools.partial(
+        backend.paged_attention,
+        query,
+        batch.k,
+        batch.v,
+        table,
+        seq_lens,
+        qsl,
+        SCALE,
+        PREFILL_LEN,
+        PREFILL_LEN,
+    )
+    paged, method = timer.per_call_ms(repeated([call]))
+    k, v = contiguous_kv(batch, 0, PREFILL_SEQS, PREFILL_LEN)
+    q = query.view(PREFILL_SEQS, PREFILL_LEN, HEADS, HEAD_DIM).transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    causal = functools.partial(sdpa, q, k, v, is_causal=True, scale=SCALE, enable_gqa=True)
+    reference, reference_method = sdpa_ms(timer, repeated([causal]))
+    flops = PREFILL_SEQS * 4 * PREFILL_LEN * (PREFILL_LEN / 2) * HEADS * HEAD_DIM
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "seqs": PREFILL_SEQS,
+        "seq_len": PREFILL_LEN,
+        "kv_heads": PREFILL_KV_HEADS,
+        "paged_ms": paged,
+        "paged_tflops": flops / paged / 1e9,
+        "method": method,
+        "sdpa_ms": reference,
+        "sdpa_tflops": None if reference is None else flops / reference / 1e9,
+        "sdpa_method": reference_method,
+        "note": None if reference is not None else reference_method,
+    }
+
+
+# -- 4. mixed decode + prefill -------------------------------------------------------------
+
+
+def mixed_case(backend, timer: Timer, decodes: int, context: int, prompts: int, prompt_len: int) -> dict:
+    """The same batch with num_decode_seqs = D (two kernels) and 0 (the prefill kernel for all),
+    plus its two halves alone for reference."""
+    seqs = [(context, 1)] * decodes + [(prompt_len, prompt_len)] * prompts
+    batch = paged_batch([ctx for ctx, _ in seqs], PREFILL_KV_HEADS, torch.float16)
+    seq_lens, qsl = lengths(seqs)
+    rows = decodes + prompts * prompt_len
+    query = torch.randn(rows, HEADS, HEAD_DIM, dtype=torch.float16, device="cuda")
+    table = batch.shuffled[0]
+    attend = functools.partial(backend.paged_attention, k_cache=batch.k, v_cache=batch.v, scale=SCALE)
+
+    def timed(q, t, lens, starts, max_q, declared):
+        call = functools.partial(
+            attend,
+            q,
+            block_tables=t,
+            seq_lens=lens,
+            query_start_loc=starts,
+            max_query_len=max_q,
+            max_seq_len=max(context, prompt_len),
+            num_decode_seqs=declared,
+        )
+        return timer.per_call_ms(repeated([call]))
+
+    split, method = timed(query, table, seq_lens, qsl, prompt_len, decodes)
+    all_prefill, _ = timed(query, table, seq_lens, qsl, prompt_len, 0)
+    decode_only, _ = timed(
+        query[:decodes], table[:decodes], seq_lens[:decodes], qsl[: decodes + 1], 1, decodes
+    )
+    prefill_only, _ = timed(
+        query[decodes:], table[decodes:], seq_lens[decodes:], qsl[decodes:] - decodes, prompt_len, 0
+    )
+    kv_bytes = 2 * batch.blocks_per_copy * BLOCK * PREFILL_KV_HEADS * HEAD_DIM * 2
+    return {
+        "decodes": decodes,
+        "decode_context": context,
+        "prompts": prompts,
+        "prompt_len": prompt_len,
+        "split_ms": split,
+        "all_prefill_kernel_ms": all_prefill,
+        "speedup": all_prefill / split,
+        "decode_only_ms": decode_only,
+        "prefill_only_ms": prefill_only,
+        "method": method,
+        "l2_resident": kv_bytes < 2 * timer.l2,
+    }
+
+
+# -- 5. worker decode steps, graph vs eager ------------------------------------------------
+
+
+def step_blocks_per_seq(block_size: int) -> int:
+    return -(-(STEP_PROMPT + STEP_WARMUP + STEP_TIMED + 1) // block_size)
+
+
+def make_step_worker(model: str | None, cuda_graph: bool):
     from worker import Worker, WorkerConfig
 
-    worker = Worker(WorkerConfig(model=model, device="cuda", cuda_graph=cuda_graph, max_model_len=1024))
+    blocks = 1 + max(STEP_BATCHES) * step_blocks_per_seq(16) + 8
+    config = WorkerConfig(
+        model=model, device="cuda", cuda_graph=cuda_graph, max_model_len=1024, num_blocks=blocks
+    )
+    return Worker(config)
+
+
+def decode_step_ms(worker, batch: int) -> float:
+    """Median wall ms of worker.execute for a decode step of `batch` sequences (128-token
+    prompts); the first STEP_WARMUP steps (graph capture among them) are not counted."""
+    worker.reset()
     block_size = worker.describe().block_size
-    blocks_per_seq = -(-(128 + steps + WARMUP + 1) // block_size)
-    tables = {s: list(range(1 + s * blocks_per_seq, 1 + (s + 1) * blocks_per_seq)) for s in range(batch)}
-    prompt = [i % 200 + 1 for i in range(128)]
+    per_seq = step_blocks_per_seq(block_size)
+    tables = {s: list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(batch)}
+    prompt = [i % 200 + 1 for i in range(STEP_PROMPT)]
     new = [NewSequence(s, tables[s], prompt, 0, GREEDY, True) for s in range(batch)]
     last = {o.seq_id: o.token_ids[0] for o in worker.execute(Plan(step_id=0, new=new)).outputs}
     times = []
-    for step in range(1, steps + WARMUP + 1):
+    for step in range(1, STEP_WARMUP + STEP_TIMED + 1):
+        position = STEP_PROMPT + step - 1
         plan = Plan(
             step_id=step,
-            continuing=[ContinuingSequence(s, [], [], [last[s]], 127 + step, True) for s in range(batch)],
+            continuing=[ContinuingSequence(s, [], [], [last[s]], position, True) for s in range(batch)],
         )
         torch.cuda.synchronize()
         started = time.perf_counter()
-        result = worker.execute(plan)  # sampling reads tokens back: the step is complete here
+        result = worker.execute(plan)  # sampled tokens come back to the host: the step is done
         times.append((time.perf_counter() - started) * 1e3)
         last = {o.seq_id: o.token_ids[0] for o in result.outputs}
-    return statistics.median(times[WARMUP:])
+    return statistics.median(times[STEP_WARMUP:])
 
 
-def main() -> int:
+def model_steps(model: str | None, budget: Budget) -> list[dict]:
+    """Graph and eager workers one at a time (each holds its own weights and pools)."""
+    label = model or "default"
+    ms: dict[tuple[bool, int], float] = {}
+    for cuda_graph in (True, False):
+        if not budget.allows(f"steps {label} {'graph' if cuda_graph else 'eager'}"):
+            break
+        worker = make_step_worker(model, cuda_graph)
+        for batch in STEP_BATCHES:
+            ms[cuda_graph, batch] = decode_step_ms(worker, batch)
+        del worker
+        release()
+    if not ms:
+        return []
+    rows = []
+    for batch in STEP_BATCHES:
+        graph, eager = ms.get((True, batch)), ms.get((False, batch))
+        row = {"model": label, "batch": batch, "graph_ms": graph, "eager_ms": eager}
+        if graph is not None:
+            row["graph_tokens_per_s"] = batch * 1e3 / graph
+        if graph is not None and eager is not None:
+            row["speedup"] = eager / graph
+        rows.append(row)
+    return rows
+
+
+# -- 6. decode sweep -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    group: int
+    context: int
+    batch: int
+
+    @property
+    def kv_heads(self) -> int:
+        return HEADS // self.group
+
+    @property
+    def kv_bytes(self) -> int:
+        """K and V bytes one call reads (fp16)."""
+        return 2 * self.batch * self.context * self.kv_heads * HEAD_DIM * 2
+
+    @property
+    def name(self) -> str:
+        return f"decode g{self.group} b{self.batch} ctx{self.context}"
+
+
+def decode_plan(backend, case: DecodeCase) -> str:
+    """The split-K plan of this launch (for calibrating kernels.launch's cost model)."""
+    from kernels.launch import plan_decode
+    from kernels.specs import group_tile
+
+    chunks = -(-case.group // group_tile(case.group))
+    plan = plan_decode(
+        case.batch,
+        case.context,
+        BLOCK,
+        case.kv_heads * chunks,
+        backend.driver.num_sms,
+        backend.driver.max_smem_optin,
+    )
+    return f"{plan.num_partitions}x{plan.partition_tokens}"
+
+
+def decode_calls(backend, batch: PagedBatch, tables, query, case: DecodeCase) -> list[Callable[[], object]]:
+    """backend.paged_attention over each table (one per pool copy), cycled to MIN_LAUNCHES."""
+    seq_lens, qsl = lengths([(case.context, 1)] * case.batch)
+    attend = functools.partial(backend.paged_attention, query, batch.k, batch.v)
+    return repeated(
+        [
+            functools.partial(attend, t, seq_lens, qsl, SCALE, 1, case.context, num_decode_seqs=case.batch)
+            for t in tables
+        ]
+    )
+
+
+def sdpa_decode_calls(batch: PagedBatch, query, case: DecodeCase, copies: int) -> list[Callable[[], object]]:
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q = query.view(case.batch, HEADS, 1, HEAD_DIM)
+    return repeated(
+        [
+            functools.partial(
+                sdpa, q, *contiguous_kv(batch, c, case.batch, case.context), scale=SCALE, enable_gqa=True
+            )
+            for c in range(copies)
+        ]
+    )
+
+
+def decode_case(backend, timer: Timer, case: DecodeCase, copy_gbs: float) -> dict:
+    """Paged (shuffled tables), the same kernel over sequential tables, and SDPA on contiguous
+    K/V; each rotating through enough pool copies to defeat L2."""
+    copies = rotation_copies(case.kv_bytes, timer.l2)
+    row: dict = {"group": case.group, "kv_heads": case.kv_heads, "batch": case.batch, "context": case.context}
+    row |= {"kv_bytes": case.kv_bytes, "copies": copies, "l2_resident": copies * case.kv_bytes < 2 * timer.l2}
+    limit = MEMORY_FRACTION * free_bytes()
+    if copies * case.kv_bytes > limit:
+        row["skipped"] = f"pools {copies * case.kv_bytes / 1e9:.1f} GB > {MEMORY_FRACTION:.0%} of free memory"
+        return row
+    batch = paged_batch([case.context] * case.batch, case.kv_heads, torch.float16, copies)
+    query = torch.randn(case.batch, HEADS, HEAD_DIM, dtype=torch.float16, device="cuda")
+    row["paged_ms"], row["method"] = timer.per_call_ms(
+        decode_calls(backend, batch, batch.shuffled, query, case)
+    )
+    row["paged_contiguous_ms"], _ = timer.per_call_ms(
+        decode_calls(backend, batch, batch.sequential, query, case)
+    )
+    row["sdpa_ms"], row["sdpa_method"] = sdpa_ms(timer, sdpa_decode_calls(batch, query, case, copies))
+    if row["sdpa_ms"] is None:
+        row["note"] = row["sdpa_method"]  # why SDPA has no time
+    row["plan"] = decode_plan(backend, case)
+    for key in ("paged", "paged_contiguous", "sdpa"):
+        ms = row[f"{key}_ms"]
+        row[f"{key}_fraction_of_copy"] = None if ms is None else case.kv_bytes / ms / 1e6 / copy_gbs
+    row["paged_gb_per_s"] = case.kv_bytes / row["paged_ms"] / 1e6
+    if row["sdpa_ms"] is not None:
+        row["paged_over_sdpa_time"] = row["paged_ms"] / row["sdpa_ms"]
+    return row
+
+
+def decode_cases(quick: bool) -> list[DecodeCase]:
+    groups, contexts, batches = DECODE_GROUPS, DECODE_CONTEXTS, DECODE_BATCHES
+    if quick:
+        groups, contexts, batches = groups[:1], (1024, 16384), (1, 64)
+    return [DecodeCase(g, c, b) for g in groups for c in contexts for b in batches]
+
+
+# -- driver --------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    backend: object
+    timer: Timer
+    budget: Budget
+    results: dict
+    path: Path
+    quick: bool
+    errors: int = 0
+
+    def attempt(self, name: str, measure: Callable[[], dict]) -> dict | None:
+        """One case: its row, or None (budget spent); an exception becomes an error row so the
+        remaining cases still run (the exit status reports it)."""
+        if not self.budget.allows(name):
+            return None
+        try:
+            row = measure()
+        except torch.cuda.OutOfMemoryError as exc:
+            row = {"case": name, "skipped": f"out of memory: {str(exc).splitlines()[0][:120]}"}
+        except Exception as exc:  # noqa: BLE001 - recorded, reported by the exit status
+            self.errors += 1
+            row = {"case": name, "error": f"{type(exc).__name__}: {exc}"}
+        release()
+        self.results["skipped"] = self.budget.skipped
+        return row
+
+
+def progress(name: str, row: dict, keys: Sequence[str]) -> None:
+    """One line as a case finishes (the tables come at the end)."""
+    if "error" in row or "skipped" in row:
+        print(f"{name}: {row.get('error') or row.get('skipped')}")
+        return
+    print(f"{name}: " + ", ".join(f"{key} {fmt(row.get(key))}" for key in keys))
+
+
+def section_launch(run: Run) -> None:
+    row = run.attempt("launch overhead", lambda: launch_overhead(run.backend))
+    if row is not None:
+        run.results["launch_overhead_us"] = row
+        progress("launch overhead (host us)", row, tuple(row))
+
+
+def section_prefill(run: Run) -> None:
+    for dtype in (torch.float16, torch.bfloat16):
+        row = run.attempt(f"prefill {dtype}", lambda d=dtype: prefill_case(run.backend, run.timer, d))
+        if row is not None:
+            run.results.setdefault("prefill", []).append(row)
+            progress(f"prefill {dtype}", row, ("paged_tflops", "sdpa_tflops"))
+            save(run.results, run.path)
+
+
+def section_mixed(run: Run) -> None:
+    for decodes, context, prompts, prompt_len in MIXED_CASES:
+        name = f"mixed D{decodes}@{context} + {prompts}x{prompt_len}"
+        row = run.attempt(
+            name, lambda c=(decodes, context, prompts, prompt_len): mixed_case(run.backend, run.timer, *c)
+        )
+        if row is not None:
+            run.results.setdefault("mixed", []).append(row)
+            progress(name, row, ("split_ms", "all_prefill_kernel_ms", "speedup"))
+            save(run.results, run.path)
+
+
+def section_decode(run: Run) -> None:
+    copy_gbs = run.results["copy"]["gb_per_s"]
+    for case in decode_cases(run.quick):
+        row = run.attempt(case.name, lambda c=case: decode_case(run.backend, run.timer, c, copy_gbs))
+        if row is None:
+            continue
+        run.results.setdefault("decode", []).append(row)
+        keys = ("paged_ms", "paged_fraction_of_copy", "paged_contiguous_ms", "sdpa_ms", "plan")
+        progress(case.name, row, keys)
+        save(run.results, run.path)
+
+
+def section_steps(run: Run) -> None:
+    for model in STEP_MODELS:
+        try:
+            rows = model_steps(model, run.budget)
+        except Exception as exc:  # noqa: BLE001 - recorded, reported by the exit status
+            run.errors += 1
+            rows = [{"model": model or "default", "error": f"{type(exc).__name__}: {exc}"}]
+            release()
+        for row in rows:
+            progress(f"steps {row['model']} b={row.get('batch')}", row, ("graph_ms", "eager_ms", "speedup"))
+        run.results.setdefault("steps", []).extend(rows)
+        run.results["skipped"] = run.budget.skipped
+        save(run.results, run.path)
+
+
+def environment(backend, l2: int, args: argparse.Namespace) -> dict:
+    from kernels.nvrtc import nvrtc_version
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "arch": backend.driver.arch,
+        "sms": backend.driver.num_sms,
+        "l2_bytes": l2,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "driver_version": backend.driver.driver_version,
+        "nvrtc": ".".join(map(str, nvrtc_version())),
+        "commit": commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "geometry": {
+            "heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "block": BLOCK,
+            "prefill_seqs": PREFILL_SEQS,
+            "prefill_len": PREFILL_LEN,
+            "prefill_kv_heads": PREFILL_KV_HEADS,
+        },
+        "budget_s": args.budget_s,
+        "quick": args.quick,
+        "timing": f"CUDA graph of >= {MIN_LAUNCHES} calls (or queued), median of {REPEATS} replays, "
+        f"L2 flushed by reading {FLUSH_FACTOR}x L2 before each, pools rotated to >= {FLUSH_FACTOR}x L2",
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--budget-s", type=float, default=DEFAULT_BUDGET_S, help="stop adding cases after this"
+    )
+    parser.add_argument("--quick", action="store_true", help="a few decode cases only (smoke run)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.gpu: no CUDA device (torch.cuda.is_available() is False); nothing to measure.")
         return 0
     from worker.backends.cuda import CudaAttentionBackend
 
     backend = CudaAttentionBackend("cuda")
-    results: dict = {"device": torch.cuda.get_device_name(), "arch": backend.driver.arch, "commit": commit()}
-    results["copy_gb_per_s"] = copy_gbs = copy_bandwidth_gbs()
-    print(f"device {results['device']} ({results['arch']}): copy bandwidth {copy_gbs:.0f} GB/s")
-    results["decode_attention"] = []
-    for batch in (1, 16, 64):
-        for context in (512, 4096, 16384):
-            row = decode_attention(backend, batch, context, copy_gbs)
-            results["decode_attention"].append(row)
-            fraction, ratio = row["fraction_of_copy_bandwidth"], row["paged_over_sdpa_time"]
-            print(
-                f"decode b={batch:>2} ctx={context:>5}: {row['paged_ms']:.3f} ms, "
-                f"{row['kv_gb_per_s']:.0f} GB/s ({fraction:.0%} of copy), paged/sdpa time {ratio:.2f}"
-            )
-            torch.cuda.empty_cache()
-    results["default_model_step_ms"] = {}
-    for batch in (1, 32):
-        graph = decode_step_ms(None, batch, cuda_graph=True)
-        eager = decode_step_ms(None, batch, cuda_graph=False)
-        results["default_model_step_ms"][str(batch)] = {
-            "graph": graph,
-            "eager": eager,
-            "speedup": eager / graph,
-        }
-        print(
-            f"default model decode b={batch}: graph {graph:.3f} ms, eager {eager:.3f} ms, "
-            f"{eager / graph:.1f}x"
-        )
-    results["qwen2.5_0.5b_tokens_per_s"] = {}
-    for batch in (1, 32):
-        ms = decode_step_ms("random:qwen2.5-0.5b", batch, cuda_graph=True)
-        results["qwen2.5_0.5b_tokens_per_s"][str(batch)] = batch * 1e3 / ms
-        print(f"random:qwen2.5-0.5b decode b={batch}: {ms:.2f} ms/step, {batch * 1e3 / ms:.0f} tokens/s")
-    # The comparisons `make bench`'s report gathers into its ratio table (bench/report.py).
-    results["ratios"] = {
-        **{
-            f"paged_over_sdpa_time_b{row['batch']}_ctx{row['context']}": row["paged_over_sdpa_time"]
-            for row in results["decode_attention"]
-        },
-        **{
-            f"graph_speedup_over_eager_b{batch}": step["speedup"]
-            for batch, step in results["default_model_step_ms"].items()
-        },
-    }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    l2 = l2_bytes()
+    results = environment(backend, l2, args)
     path = RESULTS_DIR / f"gpu-{time.strftime('%Y%m%d')}-{results['commit']}.json"
-    path.write_text(json.dumps(results, indent=1) + "\n")
+    run = Run(backend, Timer(l2), Budget(args.budget_s), results, path, args.quick)
+    results["copy"] = copy_bandwidth(run.timer)  # every fraction below needs it: no budget check
+    print(f"device {results['device']} ({results['arch']}): copy {results['copy']['gb_per_s']:.0f} GB/s")
+    save(results, path)
+    # Bounded sections first; the decode sweep, the longest, last: a short budget truncates it
+    # (its most common geometry, GQA 4, comes first) rather than dropping a whole section.
+    for section in (section_launch, section_prefill, section_mixed, section_steps, section_decode):
+        section(run)
+    results["errors"] = run.errors
+    save(results, path)
+    print()
+    print(summary(results))
     print(f"wrote {path}")
-    return 0
+    return 1 if run.errors else 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ fp32: greedy tokens equal, logits within 1e-3 of the row's scale (cuBLAS vs CPU 
 fp16: teacher-forced on the CPU fp32 tokens, every sampled row's logits within
 FP16_LOGITS_TOLERANCE (5e-2 of the row's max |logit|): fp16 weights, activations and KV.
 CUDA graphs: >= 200 decode steps, many block boundaries, sequences joining and leaving,
-tokens equal to eager decode. Copy-on-write: a forked partial block copied on the GPU.
+tokens equal to eager decode and every sampled row's logits within GRAPH_LOGITS_TOLERANCE of
+eager's; after `Worker.reset()` (which drops the graphs) a re-sent batch captures them again
+and still matches eager. Copy-on-write: a forked partial block copied on the GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from tests.worker.worker_test_utils import VOCAB, PlanDriver, assert_logits_clos
 from worker import Worker, WorkerConfig
 
 FP16_LOGITS_TOLERANCE = 5e-2
+# Graph and eager run the same kernels on the same fp32 values; what differs is summation
+# order (split-K planned for capacity vs for the real lengths, GEMMs over padded buckets),
+# ~1e-6 of the row's scale. A stale table or length in a replay is orders of magnitude larger.
+GRAPH_LOGITS_TOLERANCE = 1e-4
+DEFAULT_MODEL_SETTINGS = dict(model=None, block_size=8, num_blocks=512)
 MODELS = ["qwen3-head-dim-tied", "qwen2-mqa-bias", "llama-gqa-derived-head-dim"]
 
 
@@ -116,9 +123,8 @@ def long_decode_scenario(driver: PlanDriver, num_steps: int) -> None:
 @pytest.mark.parametrize("model", ["qwen3-head-dim-tied", "default"])
 def test_cuda_graph_decode_equals_eager_over_200_steps(checkpoint, model):
     if model == "default":  # max_model_len 4096: graph launches are split-K planned for capacity
-        settings = dict(model=None, block_size=8, num_blocks=512)
-        graph_worker = Worker(WorkerConfig(device="cuda", **settings))
-        eager_worker = Worker(WorkerConfig(device="cuda", cuda_graph=False, **settings))
+        graph_worker = Worker(WorkerConfig(device="cuda", **DEFAULT_MODEL_SETTINGS))
+        eager_worker = Worker(WorkerConfig(device="cuda", cuda_graph=False, **DEFAULT_MODEL_SETTINGS))
     else:
         _, path = checkpoint(model)
         graph_worker = make_worker(path, 4, device="cuda")
@@ -128,10 +134,56 @@ def test_cuda_graph_decode_equals_eager_over_200_steps(checkpoint, model):
     long_decode_scenario(eager, 200)
     assert graph_worker.decode_graphs.num_captured >= 2
     assert eager_worker.decode_graphs is None
-    for seq_id, seq in eager.seqs.items():
-        assert graph.seqs[seq_id].generated == seq.generated, f"sequence {seq_id} diverged"
+    assert_same_outputs(graph, eager)
     graph_worker.reset()
     assert graph_worker.decode_graphs.num_captured == 0
+
+
+def assert_same_outputs(graph: PlanDriver, eager: PlanDriver) -> None:
+    """Tokens equal, and every sampled row's logits within GRAPH_LOGITS_TOLERANCE."""
+    assert graph.seqs.keys() == eager.seqs.keys()
+    for seq_id, seq in eager.seqs.items():
+        assert graph.seqs[seq_id].generated == seq.generated, f"sequence {seq_id} diverged"
+        assert len(graph.seqs[seq_id].logits) == len(seq.logits)
+        for step, (actual, expected) in enumerate(zip(graph.seqs[seq_id].logits, seq.logits, strict=True)):
+            try:
+                assert_logits_close(actual.float().cpu(), expected.float().cpu(), rel=GRAPH_LOGITS_TOLERANCE)
+            except AssertionError as exc:
+                raise AssertionError(f"sequence {seq_id}, sampled row {step}: {exc}") from None
+
+
+def decode_batches_scenario(driver: PlanDriver, seed: int) -> None:
+    """Prefill two, decode them (bucket 2), a third joins eagerly, decode three (bucket 4).
+    The seeds used keep every greedy pick >= 2% of the row's scale ahead of the runner-up
+    (measured on the CPU), so summation-order noise cannot flip a token."""
+    p = prompts(3, seed=seed)
+    for seq_id, prompt in enumerate(p, start=1):
+        driver.add(seq_id, prompt)
+    driver.step({1: None, 2: None})
+    driver.decode([1, 2], 6)
+    driver.step({3: None, 1: None, 2: None})
+    driver.decode([1, 2, 3], 6)
+
+
+def test_cuda_graphs_recaptured_after_reset_match_eager():
+    """reset() drops the graphs (invalidate); the sequences the control plane then re-sends
+    (new block ids) must be captured anew and decode exactly like an eager worker."""
+    graph_worker = Worker(WorkerConfig(device="cuda", **DEFAULT_MODEL_SETTINGS))
+    eager_worker = Worker(WorkerConfig(device="cuda", cuda_graph=False, **DEFAULT_MODEL_SETTINGS))
+    before, eager_before = PlanDriver(graph_worker), PlanDriver(eager_worker)
+    decode_batches_scenario(before, seed=6)
+    decode_batches_scenario(eager_before, seed=6)
+    assert graph_worker.decode_graphs.num_captured == 2  # buckets 2 and 4
+    assert_same_outputs(before, eager_before)
+    graph_worker.reset()
+    eager_worker.reset()
+    assert graph_worker.decode_graphs.num_captured == 0
+    # Re-sent with other block ids, so a replay still reading the old tables would differ.
+    after, eager_after = PlanDriver(graph_worker, first_block=200), PlanDriver(eager_worker, first_block=200)
+    decode_batches_scenario(after, seed=8)
+    decode_batches_scenario(eager_after, seed=8)
+    assert graph_worker.decode_graphs.num_captured == 2, "graphs were not captured again after reset"
+    assert_same_outputs(after, eager_after)
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
