@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from control_plane import limits
 from control_plane.errors import InvalidRequestError
-from control_plane.plan import SamplingParams, WorkerInfo
+from control_plane.plan import KVLayout, SamplingParams, WorkerInfo
 from control_plane.request import Usage
 from control_plane.request_stream import Chunk
 from control_plane.scheduler_config import SchedulerConfig
@@ -33,6 +33,8 @@ def decode_sampling(m: pb.SamplingParams) -> SamplingParams:
         ignore_eos=m.ignore_eos,
         n=m.n or 1,
         logprobs=m.logprobs,
+        beam_width=m.beam_width,
+        length_penalty=m.length_penalty if m.HasField("length_penalty") else 1.0,
     )
 
 
@@ -68,6 +70,9 @@ def encode_chunk(request_id: str, c: Chunk) -> pb.GenerateResponse:
         m.usage.cached_prompt_tokens = u.cached_prompt_tokens
     if c.logprobs:
         m.logprobs.extend(c.logprobs)
+    if c.cumulative_logprob is not None:
+        m.cumulative_logprob = c.cumulative_logprob
+        m.beam_score = c.beam_score
     return m
 
 
@@ -137,4 +142,5 @@ def encode_model_info(info: WorkerInfo, config: SchedulerConfig, max_model_len: 
         worker_instance_id=info.instance_id,
         max_n=min(config.max_n, max_running),
         max_num_seqs=max_running,
+        max_beam_width=min(config.max_n, max_running) if info.kv_layout == KVLayout.PAGED else 0,
     )

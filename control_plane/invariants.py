@@ -86,9 +86,29 @@ def check_scheduler(sched) -> None:
             )
         if seq.status in (SeqStatus.WAITING, SeqStatus.PREEMPTED) and seq.seq_id in kv.tables:
             raise AssertionError(f"waiting sequence {seq.seq_id} still holds blocks")
+    for req in sched.requests.values():
+        if req.beam is not None:
+            check_beam_group(req)
     num_waiting = sum(1 for s in sched.seqs.values() if s.status in (SeqStatus.WAITING, SeqStatus.PREEMPTED))
     if num_waiting != sched.num_waiting:
         raise AssertionError(f"num_waiting {sched.num_waiting} != waiting sequences {num_waiting}")
+
+
+def check_beam_group(req) -> None:
+    """A beam request's live beams: at most beam_width, all running or all waiting (what
+    keeps a coupled group from holding blocks while waiting for itself), equally long."""
+    beams = req.sequences
+    if len(beams) > req.sampling.beam_width:
+        raise AssertionError(
+            f"request {req.request_id}: {len(beams)} live beams, width {req.sampling.beam_width}"
+        )
+    running = {s.status == SeqStatus.RUNNING for s in beams}
+    if len(running) > 1 or any(s.status == SeqStatus.FINISHED for s in beams):
+        raise AssertionError(
+            f"request {req.request_id}: beams {[s.status.name for s in beams]} (split group)"
+        )
+    if len({s.num_tokens for s in beams}) > 1:
+        raise AssertionError(f"request {req.request_id}: beams of different lengths")
 
 
 def check_plan(sched, plan: Plan) -> None:

@@ -158,6 +158,27 @@ class KVCacheManager:
             alloc.num_new_blocks += num_needed
         return alloc
 
+    def num_blocks_to_allocate(self, work: list[tuple[Sequence, int]]) -> int:
+        """Free blocks that `allocate_slots(seq, n)` for every (seq, n) in `work`, in any
+        order, takes: new blocks past each table's end plus copies-on-write. A shared block
+        that w of them write into copies w times, or w - 1 when they are all its holders (the
+        last writer then owns it)."""
+        bs = self.block_size
+        total = 0
+        writers: dict[int, list] = {}
+        for seq, n in work:
+            table = self.tables.get(seq.seq_id, ())
+            start = seq.num_computed_tokens
+            end_block = -(-(start + n) // bs)
+            total += max(end_block - len(table), 0)
+            for i in range(start // bs, min(end_block, len(table))):
+                block = table[i]
+                if block.ref_cnt > 1:
+                    writers.setdefault(block.block_id, [block, 0])[1] += 1
+        for block, w in writers.values():
+            total += w if w < block.ref_cnt else w - 1
+        return total
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Hash and cache every block whose slots are all computed (call after a step ran)."""
         if not self.enable_caching:

@@ -55,8 +55,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings, matched by the engine on detokenized text
     ignore_eos: bool = False
-    n: int = 1  # parallel samples that share the prompt's blocks (fork + copy-on-write)
+    n: int = 1  # parallel samples, or with beam search the best beams returned
     logprobs: bool = False
+    beam_width: int = 0  # 0/1 = off; >= 2: beam search over log-probabilities (greedy)
+    length_penalty: float = 1.0  # beam score = cumulative logprob / length ** length_penalty
 
     def for_worker(self) -> SamplingParams:
         """What travels in a plan: the sampler's fields; stop conditions at their defaults."""
@@ -69,7 +71,13 @@ class SamplingParams:
             logprobs=self.logprobs,
         )
 
+    @property
+    def is_beam_search(self) -> bool:
+        return self.beam_width > 1
+
     def validate(self, max_n: int = 16) -> None:
+        if self.is_beam_search:
+            self._validate_beam_search(max_n)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature < float("inf"):  # also refuses NaN
@@ -82,6 +90,22 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, {max_n}], got {self.n}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise ValueError(f"seed must fit in uint64, got {self.seed}")
+
+    def _validate_beam_search(self, max_width: int) -> None:
+        if self.beam_width > max_width:
+            raise ValueError(f"beam_width must be in [2, {max_width}] (0 or 1 = off), got {self.beam_width}")
+        if not (1 <= self.n <= self.beam_width):
+            raise ValueError(
+                f"with beam search n = beams returned, in [1, beam_width={self.beam_width}]; got {self.n}"
+            )
+        if self.temperature != 0.0 or self.top_p != 1.0 or self.top_k != 0 or self.seed is not None:
+            raise ValueError(
+                "beam search is greedy over log-probabilities: leave temperature, top_p, top_k and seed unset"
+            )
+        if self.stop:
+            raise ValueError("stop strings are not supported with beam search; use stop_token_ids")
+        if not -1e6 < self.length_penalty < 1e6:  # also refuses NaN
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
 
 
 @dataclass(slots=True)
@@ -97,6 +121,9 @@ class NewSequence:
     sample: bool  # sample after this chunk (false for a non-final prefill chunk)
     sample_index: int = 0  # which of the request's n samples this sequence is (seeds differ)
     num_samples: int = 1  # sample this many tokens from the last logits (fan-out for n > 1)
+    # Beam search: instead of sampling, return the top this many (token, logprob) of the
+    # log-softmax of the last logits, best first (`sample` must be set).
+    num_candidates: int = 0
     feed_last_sample: ClassVar[bool] = False  # a new sequence has no sample to feed
 
     @property
@@ -118,6 +145,7 @@ class ContinuingSequence:
     # The step's one input token is the first token the worker sampled for this sequence in
     # its last sampling step (token_ids is then empty): overlap scheduling, see the module doc.
     feed_last_sample: bool = False
+    num_candidates: int = 0  # beam search: see NewSequence
 
     @property
     def num_inputs(self) -> int:
@@ -142,7 +170,8 @@ class Plan:
 
 @dataclass(slots=True)
 class SeqOutput:
-    """Tokens sampled for one sequence this step: one token, or `num_samples` for a fan-out."""
+    """Tokens sampled for one sequence this step: one token, or `num_samples` for a fan-out,
+    or for beam search the `num_candidates` best tokens with their logprobs, best first."""
 
     seq_id: int
     token_ids: list[int]

@@ -66,6 +66,8 @@ def _encode_new(s: NewSequence, m: pb.NewSequence, sampling_cache: dict) -> None
     m.sample = s.sample
     m.sample_index = s.sample_index
     m.num_samples = s.num_samples
+    if s.num_candidates:
+        m.num_candidates = s.num_candidates
 
 
 def encode_plan(plan: Plan, expected_instance_id: str = "") -> pb.Plan:
@@ -92,6 +94,8 @@ def encode_plan(plan: Plan, expected_instance_id: str = "") -> pb.Plan:
         c.num_samples = s.num_samples
         if s.feed_last_sample:
             c.feed_last_sample = True
+        if s.num_candidates:
+            c.num_candidates = s.num_candidates
     if plan.copies:
         m.copies.extend([_PbCopy(src=a, dst=b) for a, b in plan.copies])
     if plan.finished:
@@ -122,6 +126,7 @@ def decode_plan(m: pb.Plan) -> Plan:
                 s.sample,
                 s.sample_index,
                 s.num_samples,
+                s.num_candidates,
             )
             for s in m.new
         ],
@@ -135,6 +140,7 @@ def decode_plan(m: pb.Plan) -> Plan:
                 s.sample,
                 s.num_samples,
                 s.feed_last_sample,
+                s.num_candidates,
             )
             for s in m.continuing
         ],

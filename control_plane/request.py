@@ -4,6 +4,8 @@ A `Request` is what a client asked for (one prompt, `n` samples). Each sample is
 `Sequence`: the unit the scheduler schedules and the KV cache manager gives a block table.
 With n > 1 the request starts as one sequence; when its prompt completes, the worker samples
 n first tokens and the scheduler forks n - 1 children that share every prompt block.
+With beam search (`sampling.beam_width` = W) the sequences are the live beams: at most W,
+forked and dropped every step by the selection (control_plane.scheduler_beams).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from control_plane.beam_search import BeamSearch
 from control_plane.plan import SamplingParams
 
 
@@ -60,6 +63,12 @@ class Sequence:
     admitted_at: int = 0  # step counter at (re)admission; preemption picks the newest
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    # Beam search: the generated tokens' logprobs and their float32 sum, and the worker's
+    # top candidates for the next token (None until they arrive; the beam then waits for
+    # its group's selection).
+    beam_logprobs: list[float] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    beam_candidates: list[tuple[int, float]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,6 +102,7 @@ class Request:
     num_finished: int = 0
     forked: bool = False  # n > 1: the children exist (the fan-out happened)
     fan_out_planned: bool = False  # n > 1: a plan asks for the n first tokens (maybe in flight)
+    beam: BeamSearch | None = None  # beam search state (sampling.beam_width > 1)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -116,3 +126,6 @@ class RequestOutput:
     # The request's admission serial (Request.arrival): ids are reused once a request is
     # retired, so the engine matches outputs to streams by this, never by id alone.
     arrival: int = 0
+    # Beam search's final outputs (index = rank): the beam's summed logprob and its score.
+    cumulative_logprob: float | None = None
+    beam_score: float | None = None

@@ -43,6 +43,8 @@ class Chunk:
     finish_reason: FinishReason | None
     usage: Usage | None
     logprobs: list[float] | None
+    cumulative_logprob: float | None = None  # beam search's final messages
+    beam_score: float | None = None
 
 
 class _SampleText:
@@ -110,7 +112,16 @@ class RequestStream:
             if out.finish_reason is not None and not matched:
                 rest, matched = sample.flush()
                 text += rest
-        chunk = Chunk(out.index, out.new_token_ids, text, out.finish_reason, out.usage, out.logprobs)
+        chunk = Chunk(
+            out.index,
+            out.new_token_ids,
+            text,
+            out.finish_reason,
+            out.usage,
+            out.logprobs,
+            out.cumulative_logprob,
+            out.beam_score,
+        )
         return chunk, matched
 
     def push(self, chunks: list[Chunk]) -> TokenTimings:

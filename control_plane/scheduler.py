@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 
+from control_plane.beam_search import BeamSearch
 from control_plane.block_hash import extra_keys as make_extra_keys
 from control_plane.errors import (
     DuplicateRequestError,
@@ -39,12 +40,13 @@ from control_plane.kv_cache_manager import Allocation, KVCacheManager
 from control_plane.limits import short
 from control_plane.plan import ContinuingSequence, KVLayout, NewSequence, Plan, SamplingParams, WorkerInfo
 from control_plane.request import FinishReason, Request, RequestOutput, SeqStatus, Sequence
+from control_plane.scheduler_beams import SchedulerBeams, to_compute
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.scheduler_update import SchedulerUpdate
 from control_plane.stats import AllocationRate, SequenceTable, StatsSnapshot, ref_count_histogram
 
 
-class Scheduler(SchedulerUpdate):
+class Scheduler(SchedulerBeams, SchedulerUpdate):
     def __init__(self, config: SchedulerConfig, worker_info: WorkerInfo) -> None:
         config.validate()
         self.config = config
@@ -108,6 +110,10 @@ class Scheduler(SchedulerUpdate):
             extra_keys=make_extra_keys(cache_salt),
         )
         req.stop_ids = frozenset(stop_ids.union(req.eos_token_ids))
+        if sampling.is_beam_search:
+            req.beam = BeamSearch(
+                sampling.beam_width, sampling.length_penalty, sampling.max_tokens, req.stop_ids
+            )
         self.requests[request_id] = req
         self._enqueue(self._new_sequence(req, 0, list(prompt_token_ids)))
         return req
@@ -138,13 +144,34 @@ class Scheduler(SchedulerUpdate):
                 f"n={sampling.n} exceeds the {self.max_running} sequences that can "
                 f"run at once (max_num_seqs); lower n"
             )
-        if sampling.n > 1 and self.info.kv_layout != KVLayout.PAGED:
-            raise InvalidRequestError("n > 1 needs shared KV blocks; the worker runs the contiguous layout")
-        need = self.kv.num_blocks_needed(len(prompt) + sampling.max_tokens)
+        width = sampling.beam_width if sampling.is_beam_search else 1
+        if (sampling.n > 1 or width > 1) and self.info.kv_layout != KVLayout.PAGED:
+            what = "beam search" if width > 1 else "n > 1"
+            raise InvalidRequestError(f"{what} needs shared KV blocks; the worker runs the contiguous layout")
+        if width > 1:
+            self._validate_beam_search(sampling)
+        need = width * self.kv.num_blocks_needed(len(prompt) + sampling.max_tokens)
         if need > self.kv.pool.num_blocks - 1:
+            beams = f" ({width} beams)" if width > 1 else ""
             raise ResourceExhaustedError(
-                f"the request needs {need} KV blocks at full length but the pool has "
+                f"the request needs {need} KV blocks at full length{beams} but the pool has "
                 f"{self.kv.pool.num_blocks - 1}; lower max_tokens or give the worker more KV memory"
+            )
+
+    def _validate_beam_search(self, sampling: SamplingParams) -> None:
+        if sampling.beam_width > self.max_running:
+            raise InvalidRequestError(
+                f"beam_width={sampling.beam_width} exceeds the {self.max_running} sequences that can "
+                f"run at once (max_num_seqs); lower beam_width"
+            )
+        stops = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stops.update(self.info.eos_token_ids)
+        k = BeamSearch(sampling.beam_width, 1.0, 1, stops).num_candidates
+        if k > self.info.vocab_size:
+            raise InvalidRequestError(
+                f"beam search needs {k} candidates per beam (beam_width x (1 + stop ids)) but the "
+                f"vocabulary has {self.info.vocab_size} tokens; lower beam_width or send fewer stop_token_ids"
             )
 
     def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
@@ -173,7 +200,8 @@ class Scheduler(SchedulerUpdate):
         budget = self.config.max_num_batched_tokens
         self.kv.begin_plan()
         if self._running_dirty:
-            self.running.sort(key=lambda s: (s.request.priority, s.admitted_at))
+            # arrival last: a beam group's sequences stay contiguous (scheduler_beams)
+            self.running.sort(key=lambda s: (s.request.priority, s.admitted_at, s.request.arrival))
             self._running_dirty = False
         budget, preempted = self._schedule_running(plan, budget)
         if not preempted and self._may_admit():
@@ -185,19 +213,23 @@ class Scheduler(SchedulerUpdate):
         return plan
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        n = min(_to_compute(seq), budget)
+        n = min(to_compute(seq), budget)
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap else n
 
     def _schedule_running(self, plan: Plan, budget: int) -> tuple[int, bool]:
         running = self.running
         # Decodes are reserved one token each so a long prefill chunk never starves them.
-        reserve = sum(1 for s in running if _to_compute(s) == 1)
+        reserve = sum(1 for s in running if to_compute(s) == 1)
         preempted = False
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            is_decode = _to_compute(seq) == 1
+            if seq.request.beam is not None:
+                i, budget, reserve, group_preempted = self._schedule_beam_group(plan, i, budget, reserve)
+                preempted = preempted or group_preempted
+                continue
+            is_decode = to_compute(seq) == 1
             if is_decode and seq.num_pending and self._reaches_length(seq, seq.num_tokens + seq.num_pending):
                 reserve -= 1  # its pending token finishes it: nothing left to compute
                 i += 1
@@ -212,10 +244,7 @@ class Scheduler(SchedulerUpdate):
                     continue
             alloc = self.kv.allocate_slots(seq, num_new)
             while alloc is None and len(running) - 1 > i:
-                victim = running.pop()  # lowest priority, most recently admitted
-                if _to_compute(victim) == 1:
-                    reserve -= 1
-                self._preempt(victim)
+                reserve -= self._preempt_last()  # lowest priority, most recently admitted
                 preempted = True
                 alloc = self.kv.allocate_slots(seq, num_new)
             if alloc is None:
@@ -242,6 +271,13 @@ class Scheduler(SchedulerUpdate):
         taken = self.num_seats_taken()
         while budget > 0:
             seq = self._peek_waiting()
+            if seq is not None and seq.request.beam is not None:
+                admitted = self._admit_beam_group(plan, seq.request, budget, taken)
+                if admitted is None:
+                    return  # FCFS: the group blocks the queue like any head
+                budget -= admitted[0]
+                taken += admitted[1]
+                continue
             if seq is None or seq.num_pending:
                 return  # (a sequence preempted while its sample was in flight waits for it)
             seats = _seats(seq)
@@ -258,17 +294,21 @@ class Scheduler(SchedulerUpdate):
                 return  # head-of-line blocks: FCFS, no overtaking by smaller requests
             heapq.heappop(self.waiting)
             self.num_waiting -= 1
-            self.kv.record_prefix_lookup(seq.num_tokens, num_hit)
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = num_hit
-            seq.status = SeqStatus.RUNNING
-            seq.admitted_at = plan.step_id
-            seq.num_computed_tokens = num_hit
-            self.running.append(seq)
-            self._running_dirty = True
-            self._emit(plan, seq, num_new, alloc)
+            self._admit(plan, seq, num_hit, num_new, alloc)
             budget -= num_new
             taken += seats
+
+    def _admit(self, plan: Plan, seq: Sequence, num_hit: int, num_new: int, alloc: Allocation) -> None:
+        """A waiting sequence starts running with its prefix hits and first chunk allocated."""
+        self.kv.record_prefix_lookup(seq.num_tokens, num_hit)
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = num_hit
+        seq.status = SeqStatus.RUNNING
+        seq.admitted_at = plan.step_id
+        seq.num_computed_tokens = num_hit
+        self.running.append(seq)
+        self._running_dirty = True
+        self._emit(plan, seq, num_new, alloc)
 
     def num_seats_taken(self) -> int:
         """Running sequences plus the samples that running n > 1 prompts will fork into.
@@ -291,7 +331,8 @@ class Scheduler(SchedulerUpdate):
             plan.copies.extend(alloc.copies)
         req = seq.request
         fan_out = 1
-        if sample and req.sampling.n > 1 and not req.fan_out_planned:
+        candidates = req.beam.num_candidates if (sample and req.beam is not None) else 0
+        if sample and req.sampling.n > 1 and not req.fan_out_planned and not candidates:
             fan_out, req.fan_out_planned = req.sampling.n, True
         if not seq.synced:
             if feed:
@@ -306,6 +347,7 @@ class Scheduler(SchedulerUpdate):
                     sample,
                     seq.sample_index,
                     fan_out,
+                    candidates,
                 )
             )
             seq.synced = True
@@ -313,7 +355,9 @@ class Scheduler(SchedulerUpdate):
             synced = seq.num_synced_blocks
             new_ids = [b.block_id for b in table[synced:]] if len(table) > synced else []
             plan.continuing.append(
-                ContinuingSequence(seq.seq_id, new_ids, alloc.replaced, tokens, start, sample, fan_out, feed)
+                ContinuingSequence(
+                    seq.seq_id, new_ids, alloc.replaced, tokens, start, sample, fan_out, feed, candidates
+                )
             )
         seq.num_synced_blocks = len(table)
         self.kv.note_scheduled(seq)
@@ -322,6 +366,7 @@ class Scheduler(SchedulerUpdate):
         """Recompute preemption: free the blocks (full ones stay cached) and wait again."""
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.beam_candidates = None  # a beam asks again at the end of its recompute
         seq.status = SeqStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -403,12 +448,9 @@ class Scheduler(SchedulerUpdate):
         return self.kv.pool.reset_prefix_cache()
 
 
-def _to_compute(seq: Sequence) -> int:
-    """Tokens (known or pending) whose K/V are not computed yet: 1 for a decode."""
-    return seq.num_tokens + seq.num_pending - seq.num_computed_tokens
-
-
 def _seats(seq: Sequence) -> int:
-    """Seats a sequence holds: n for an n > 1 prompt that has not forked yet, else 1."""
+    """Seats a sequence holds: n (beam search: beam_width) for a prompt that has not forked
+    yet, else 1."""
     req = seq.request
-    return req.sampling.n if (req.sampling.n > 1 and not req.forked) else 1
+    width = req.sampling.beam_width if req.beam is not None else req.sampling.n
+    return width if (width > 1 and not req.forked) else 1

@@ -36,11 +36,17 @@ class SchedulerUpdate:
                     self.kv.cache_full_blocks(seq)
         outputs, self._orphan_outputs = self._orphan_outputs, []
         any_finished = False
+        beam_requests: dict[int, Request] = {}
         for out in result.outputs:
             seq = seqs.get(out.seq_id)
             if seq is None or seq.status == SeqStatus.FINISHED:
                 continue  # aborted, or stopped by an earlier step's token (overlap): dropped
             seq.num_pending -= 1
+            if seq.request.beam is not None:
+                if seq.status == SeqStatus.RUNNING:  # (a preempted beam asks again)
+                    seq.beam_candidates = list(zip(out.token_ids, out.logprobs or (), strict=True))
+                    beam_requests[id(seq.request)] = seq.request
+                continue
             token_ids = out.token_ids
             logprobs = out.logprobs
             if len(token_ids) > 1:
@@ -51,6 +57,10 @@ class SchedulerUpdate:
             if self._append(seq, token_ids[0]):
                 any_finished = True
             outputs.append(self._output(seq, token_ids, logprobs))
+        for req in beam_requests.values():
+            if self.requests.get(req.request_id) is req:
+                outputs.extend(self._select_beams(req))
+                any_finished = True  # beams were dropped or forked
         if any_finished:
             self.running = [s for s in self.running if s.status == SeqStatus.RUNNING]
         return outputs
@@ -151,6 +161,10 @@ class SchedulerUpdate:
         req = self._get(request_id)
         if arrival is not None and req.arrival != arrival:
             raise RequestNotFoundError(f"request {short(request_id)!r} already ended; its id was reused")
+        if req.beam is not None:
+            outputs = self._end_beams(req, reason)
+            self.running = [s for s in self.running if s.status == SeqStatus.RUNNING]
+            return outputs
         outputs = []
         for seq in list(req.sequences):
             if seq.status != SeqStatus.FINISHED:
@@ -171,8 +185,8 @@ class SchedulerUpdate:
     def finish_sample(self, request_id: str, index: int, reason: FinishReason) -> RequestOutput | None:
         """End one sample (e.g. a stop string matched by the engine). None if already ended."""
         req = self._get(request_id)
-        if not 0 <= index < len(req.sequences):
-            return None
+        if req.beam is not None or not 0 <= index < len(req.sequences):
+            return None  # (beam search takes no stop strings: nothing to end per index)
         seq = req.sequences[index]
         if seq.status == SeqStatus.FINISHED:
             return None

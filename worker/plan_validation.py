@@ -16,6 +16,7 @@ Checked:
     num_samples >= 1; `feed_last_sample` only with no token_ids, after a plan that sampled it,
     start_pos exactly at the computed tokens (the sample's own position);
   - new: num_samples >= 1, sample_index >= 0, sampling parameters valid;
+  - num_candidates (beam search) <= vocab_size, only with sample set and num_samples 1;
   - copies: ids in range, src != dst, each dst once (they take effect in list order);
   - no write into a block that more than one live table references after this plan
     (copy-on-write must come first, DESIGN §4);
@@ -105,8 +106,7 @@ class _PlanChecker:
     def new_sequence(self, seq: NewSequence) -> Sequence[int]:
         """Check a new sequence; return its table as it will be after the plan."""
         self.tokens(seq.seq_id, seq.token_ids, seq.start_pos)
-        if seq.num_samples < 1:
-            raise self.fail(f"num_samples must be >= 1, got {seq.num_samples}", seq.seq_id)
+        self.samples(seq)
         if seq.sample_index < 0:
             raise self.fail(f"sample_index must be >= 0, got {seq.sample_index}", seq.seq_id)
         try:
@@ -120,6 +120,19 @@ class _PlanChecker:
         self.table_capacity(seq.seq_id, len(seq.block_ids), seq.start_pos + len(seq.token_ids))
         return seq.block_ids
 
+    def samples(self, seq: NewSequence | ContinuingSequence) -> None:
+        if seq.num_samples < 1:
+            raise self.fail(f"num_samples must be >= 1, got {seq.num_samples}", seq.seq_id)
+        if seq.num_candidates:
+            vocab = self.limits.vocab_size
+            if not 1 <= seq.num_candidates <= vocab:
+                raise self.fail(
+                    f"num_candidates must be in [0, vocab_size={vocab}], got {seq.num_candidates}",
+                    seq.seq_id,
+                )
+            if seq.num_samples != 1 or not seq.sample:
+                raise self.fail("num_candidates needs sample set and num_samples 1 (beam search)", seq.seq_id)
+
     def continuing_sequence(self, seq: ContinuingSequence) -> _TableAfterDelta:
         """Check a continuing sequence's delta; return its table as it will be after the plan."""
         mirror = self.mirrors[seq.seq_id]
@@ -127,8 +140,7 @@ class _PlanChecker:
             self.fed_sample(seq, mirror)
         else:
             self.tokens(seq.seq_id, seq.token_ids, seq.start_pos)
-        if seq.num_samples < 1:
-            raise self.fail(f"num_samples must be >= 1, got {seq.num_samples}", seq.seq_id)
+        self.samples(seq)
         if seq.start_pos > mirror.num_computed_tokens:
             raise self.fail(
                 f"start_pos {seq.start_pos} skips positions: only {mirror.num_computed_tokens} tokens "

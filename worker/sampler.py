@@ -58,6 +58,7 @@ class SamplingRow:
     sample_index: int
     position: int  # position of the token being sampled = start_pos + len(token_ids)
     num_samples: int = 1
+    num_candidates: int = 0  # beam search: the top this many of the log-softmax instead
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +104,19 @@ class Sampler:
         if not rows:
             return []
         logits = logits.float()
+        beams = [i for i, row in enumerate(rows) if row.num_candidates]
+        if not beams:
+            return self._sample(logits, rows)
+        others = [i for i, row in enumerate(rows) if not row.num_candidates]
+        results: list[SampledTokens | None] = [None] * len(rows)
+        for subset, run in ((beams, top_candidates), (others, self._sample)):
+            if subset:
+                got = run(_rows_view(logits, subset), [rows[i] for i in subset])
+                for i, item in zip(subset, got, strict=True):
+                    results[i] = item
+        return results
+
+    def _sample(self, logits: Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
         uniforms = sample_uniforms(rows, self._generator)
         owners = [i for i, row in enumerate(rows) for _ in range(row.num_samples)]
         tokens = torch.empty(len(owners), dtype=torch.int64, device=logits.device)
@@ -136,6 +150,18 @@ class Sampler:
             results.append(SampledTokens(token_list[s:end], row_logprobs))
             s = end
         return results
+
+
+def top_candidates(logits: Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
+    """Beam search: each row's `num_candidates` best tokens of the float32 log-softmax, best
+    first (what Hugging Face's beam search ranks), computed where the logits are."""
+    k = max(row.num_candidates for row in rows)
+    values, ids = torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [
+        SampledTokens(ids[i][: row.num_candidates], values[i][: row.num_candidates])
+        for i, row in enumerate(rows)
+    ]
 
 
 def _index(values: list[int], like: Tensor) -> Tensor:

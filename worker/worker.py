@@ -163,7 +163,9 @@ class Worker:
             row = None
             if seq.sample:
                 position = seq.start_pos + len(seq.token_ids)
-                row = SamplingRow(seq.sampling, seq.sample_index, position, seq.num_samples)
+                row = SamplingRow(
+                    seq.sampling, seq.sample_index, position, seq.num_samples, seq.num_candidates
+                )
             scheduled = self._scheduled(
                 seq.seq_id, mirror.block_ids, seq.token_ids, seq.start_pos, seq.sample
             )
@@ -178,7 +180,9 @@ class Worker:
             if seq.sample:
                 position = seq.start_pos + len(token_ids)
                 # A chunked prompt's last chunk carries the n > 1 fan-out here.
-                row = SamplingRow(mirror.sampling, mirror.sample_index, position, seq.num_samples)
+                row = SamplingRow(
+                    mirror.sampling, mirror.sample_index, position, seq.num_samples, seq.num_candidates
+                )
             scheduled = self._scheduled(seq.seq_id, mirror.block_ids, token_ids, seq.start_pos, seq.sample)
             steps.append((scheduled, row, seq.seq_id))
         steps.sort(key=lambda step: len(step[0].token_ids) != 1)  # stable: decodes first

@@ -1,7 +1,9 @@
 """Differential fuzz: the real control plane driving the real CPU worker.
 
 Random workloads -- small prompts over a tiny alphabet built from shared stems (prefix-cache
-hits), max_tokens 1..12, n 1..3, seeded temperature-1.0 sampling or greedy, ignore_eos,
+hits), max_tokens 1..12, n 1..3, seeded temperature-1.0 sampling or greedy or beam search
+(width 2..3, n returned beams, any length penalty: a group forks, drops and is preempted
+whole), ignore_eos,
 stop token ids (the scheduler's stops) and engine-side stops (ended by `finish_sample` after
 the step's outputs were handed out, as stop strings are), requests added and aborted between
 steps -- run five times with the same scheduler settings (block size, prefix caching, small
@@ -57,9 +59,18 @@ class Req:
     priority: int
     stop_ids: tuple[int, ...] = ()  # the scheduler stops on these
     engine_stops: tuple[int, ...] = ()  # the test ends the sample on these (finish_sample)
+    beam_width: int = 0  # >= 2: beam search (n <= beam_width; no seed, no engine stops)
+    length_penalty: float = 1.0
+
+    @property
+    def width(self) -> int:
+        """Sequences at once: the admission bound's multiplier."""
+        return max(self.beam_width, 1)
 
     def sampling(self) -> SamplingParams:
         common = dict(max_tokens=self.max_tokens, n=self.n, ignore_eos=True, stop_token_ids=self.stop_ids)
+        if self.beam_width:
+            return SamplingParams(beam_width=self.beam_width, length_penalty=self.length_penalty, **common)
         if self.seed is None:
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(temperature=1.0, top_k=self.top_k, top_p=self.top_p, seed=self.seed, **common)
@@ -96,10 +107,10 @@ class Workload:
         return -(-(len(req.prompt) + req.max_tokens) // self.block_size)
 
     def tight_num_blocks(self) -> int:
-        return max(self.blocks_for(r) for r in self.requests()) + 1 + self.extra_blocks
+        return max(r.width * self.blocks_for(r) for r in self.requests()) + 1 + self.extra_blocks
 
     def ample_num_blocks(self) -> int:
-        return sum(r.n * self.blocks_for(r) for r in self.requests()) + 1
+        return sum(max(r.n, r.width) * self.blocks_for(r) for r in self.requests()) + 1
 
 
 @st.composite
@@ -113,6 +124,20 @@ def workloads(draw) -> Workload:
             st.lists(st.integers(0, ALPHABET - 1), min_size=1, max_size=MAX_TAIL)
         )
         seed = draw(st.one_of(st.none(), st.integers(0, 2**32)))
+        if draw(st.integers(0, 3)) == 0:
+            width = draw(st.integers(2, 3))
+            return Req(
+                prompt=tuple(prompt),
+                max_tokens=draw(st.integers(1, 12)),
+                n=draw(st.integers(1, width)),
+                seed=None,
+                top_k=0,
+                top_p=1.0,
+                priority=draw(st.integers(0, 2)),
+                stop_ids=tuple(draw(st.lists(st.integers(0, VOCAB - 1), max_size=6))),
+                beam_width=width,
+                length_penalty=draw(st.sampled_from([1.0, 0.0, -0.5, 2.0])),
+            )
         return Req(
             prompt=tuple(prompt),
             max_tokens=draw(st.integers(1, 12)),
