@@ -48,6 +48,8 @@ class StreamCheck:
         self.sent = time.perf_counter()
         self.ttft: float | None = None
         self.itl: list[float] = []
+        self.num_beam_messages = 0
+        self.last_beam_score: float | None = None
 
     def _bad(self, what: str) -> None:
         self.violations.append(f"{self.label}: {what}")
@@ -70,11 +72,32 @@ class StreamCheck:
         if m.token_ids:
             self._time(s, now, len(m.token_ids))
         s.tokens.extend(m.token_ids)
+        if self.spec.beam_width:
+            self._check_beam_message(m)
         if m.finish_reason:
             s.finish = FINISH.Name(m.finish_reason).removeprefix("FINISH_REASON_")
             self._check_usage(m, s)
         elif m.HasField("usage"):
             self._bad(f"sample {m.index}: usage on a message that does not finish it")
+
+    def _check_beam_message(self, m: engine_pb2.GenerateResponse) -> None:
+        """Beam search: only final messages, in index order, best first, scored."""
+        if not m.finish_reason:
+            return self._bad(f"beam {m.index}: a message that does not finish it")
+        if m.index != self.num_beam_messages:
+            self._bad(f"beam {m.index}: came after {self.num_beam_messages} others (index order)")
+        self.num_beam_messages += 1
+        if m.finish_reason == FINISH.FINISH_REASON_ABORT:
+            return
+        if not m.HasField("beam_score") or not m.HasField("cumulative_logprob"):
+            return self._bad(f"beam {m.index}: finished without beam_score / cumulative_logprob")
+        if self.last_beam_score is not None and m.beam_score > self.last_beam_score:
+            self._bad(
+                f"beam {m.index}: score {m.beam_score} above the previous beam's {self.last_beam_score}"
+            )
+        self.last_beam_score = m.beam_score
+        if m.logprobs and abs(sum(m.logprobs) - m.cumulative_logprob) > 1e-3 * max(1.0, len(m.logprobs)):
+            self._bad(f"beam {m.index}: logprobs sum {sum(m.logprobs)} != cumulative {m.cumulative_logprob}")
 
     def _time(self, s: _Sample, now: float, count: int) -> None:
         if self.ttft is None:
@@ -184,6 +207,7 @@ class Tally:
     aborts: Counter = field(default_factory=Counter)  # Abort RPC outcomes
     tokens: int = 0
     first_token_stops: int = 0
+    beam_searches: int = 0  # beam requests that returned their beams
     stats_polls: int = 0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
@@ -201,6 +225,7 @@ class Tally:
             self.tokens += len(s.tokens)
             self.finishes[s.finish or "(none)"] += 1
         self.first_token_stops += check.first_token_stops()
+        self.beam_searches += bool(check.spec.beam_width and code == "OK")
         if check.ttft is not None:
             self.ttft.append(check.ttft)
         self.itl.extend(check.itl)
@@ -215,7 +240,8 @@ class Tally:
             f"status codes: {dict(sorted(self.codes.items()))}",
             f"request kinds: {dict(sorted(self.kinds.items()))}",
             f"finish reasons (per sample): {dict(sorted(self.finishes.items()))}",
-            f"n > 1 samples that stopped on their first token: {self.first_token_stops}",
+            f"n > 1 samples that stopped on their first token: {self.first_token_stops}; "
+            f"beam searches completed: {self.beam_searches}",
             f"Abort RPCs: {dict(sorted(self.aborts.items()))}; GetStats polls: {self.stats_polls}",
         ]
         for name, values in (("TTFT", self.ttft), ("ITL", self.itl), ("request latency", self.latency)):

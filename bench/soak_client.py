@@ -64,6 +64,8 @@ class SoakContext:
 def describe(spec: Spec) -> str:
     """Enough of a spec to reproduce a failure by hand (ids and prompts elided)."""
     parts = [spec.kind, f"n={spec.n}", f"max_tokens={spec.max_tokens}", f"prompt={len(spec.prompt)}"]
+    if spec.beam_width:
+        parts.append(f"beams={spec.beam_width} lp={spec.length_penalty}")
     if spec.temperature:
         parts.append(f"T={spec.temperature:.2f} seed={spec.seed} top_p={spec.top_p} top_k={spec.top_k}")
     if spec.stop_token_ids or spec.huge_stop_ids:

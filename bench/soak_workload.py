@@ -2,7 +2,8 @@
 model's geometry.
 
 The mix is chosen for the bugs a soak finds and unit tests miss: n > 1 fan-outs whose samples
-stop on their very first token (high temperature, many small stop ids), prompts that cross
+stop on their very first token (high temperature, many small stop ids), beam searches (groups
+that fork, drop and are preempted whole beside everyone else), prompts that cross
 block boundaries and share prefixes (prefix-cache hits and copy-on-write), lengths that
 overflow a tight KV pool (preemption), and the client behaviours that race the engine (early
 cancels, deadlines, aborts from another client, request ids reused after a finish). A few
@@ -22,6 +23,7 @@ from pagedkv.v1 import engine_pb2
 
 HUGE_STOP_ID = 300  # >= 128: two bytes per id on the wire, so the list is big but cheap to build
 PROFILES = ("mixed", "fanout")
+BEAM_FRACTION = 0.12  # of the mixed profile's requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,7 @@ class Geometry:
     pool_tokens: int  # (num_blocks - 1) * block_size: the most one sequence can ever hold
     max_n: int
     eos_token_ids: tuple[int, ...]
+    max_beam_width: int = 0
 
     @classmethod
     def from_model_info(cls, info: engine_pb2.ModelInfo) -> Geometry:
@@ -42,6 +45,7 @@ class Geometry:
             pool_tokens=min(info.max_model_len, (info.num_blocks - 1) * info.block_size),
             max_n=min(info.max_n, info.max_num_seqs),
             eos_token_ids=tuple(info.eos_token_ids),
+            max_beam_width=info.max_beam_width,
         )
 
 
@@ -74,6 +78,8 @@ class Spec:
     cancel_after: int = 0
     deadline_s: float | None = None
     huge_stop_ids: int = 0  # appended on the wire as raw bytes (see `request_message`)
+    beam_width: int = 0  # >= 2: beam search (n = beams returned)
+    length_penalty: float = 1.0
 
     def stop_set(self) -> set[int]:
         """Token ids that must end a sample (the model's EOS unless ignore_eos)."""
@@ -93,6 +99,8 @@ class Spec:
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
+            beam_width=self.beam_width,
+            length_penalty=self.length_penalty if self.beam_width else None,
         )
         req = engine_pb2.GenerateRequest(
             request_id=self.request_id,
@@ -176,7 +184,9 @@ class Workload:
             kind, self.prompt(rng, min(12 * geo.block_size, geo.pool_tokens - max_tokens)), max_tokens
         )
         spec.n = rng.choice((1, 1, 2, 3, 4)) if geo.max_n >= 4 else rng.randint(1, geo.max_n)
-        if rng.random() < 0.7:
+        if rng.random() < BEAM_FRACTION and self._make_beam_search(rng, spec):
+            pass
+        elif rng.random() < 0.7:
             spec.temperature = rng.choice((0.5, 1.0, 2.0, rng.uniform(0.1, 5.0)))
             spec.seed = rng.randrange(2**32) if rng.random() < 0.7 else None
             spec.top_p = rng.choice((1.0, 1.0, 0.9, 0.5))
@@ -186,12 +196,28 @@ class Workload:
             spec.stop_token_ids = list(range(rng.randint(8, 160)))
         elif r < 0.5:
             spec.stop_token_ids = [rng.randrange(geo.vocab_size) for _ in range(rng.randint(1, 8))]
+        if spec.beam_width:  # each stop id adds beam_width candidates per beam
+            spec.stop_token_ids = spec.stop_token_ids[:8]
         spec.ignore_eos = rng.random() < 0.3
         spec.logprobs = rng.random() < 0.2
         spec.cache_salt = rng.choice(("", "", "", "", "tenant-a", "tenant-b"))
         spec.priority = rng.choice((0, 0, 0, -1, 1))
         spec.abortable = kind in ("plain", "deadline") and rng.random() < 0.3
         return spec
+
+    def _make_beam_search(self, rng: random.Random, spec: Spec) -> bool:
+        """Turn `spec` into a beam search that fits the pool running alone (width x (prompt +
+        max_tokens + a block) tokens); False, unchanged, when no width >= 2 fits."""
+        geo = self.geo
+        width = rng.randint(2, max(2, min(4, geo.max_beam_width)))
+        room = geo.pool_tokens // width - geo.block_size
+        if geo.max_beam_width < 2 or room < 2:
+            return False
+        spec.max_tokens = min(spec.max_tokens, room // 2)
+        spec.prompt = spec.prompt[: room - spec.max_tokens] or spec.prompt[:1]
+        spec.beam_width, spec.n = width, rng.randint(1, width)
+        spec.length_penalty = rng.choice((1.0, 1.0, 0.0, 2.0, -0.5))
+        return True
 
     def _fanout(self, rng: random.Random) -> Spec:
         """n > 1, high temperature, stop ids = many small vocab ids: samples end on their

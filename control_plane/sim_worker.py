@@ -6,6 +6,7 @@ copies, write new tokens by slot), then reads each scheduled sequence's whole co
 *through its block table* and derives the next token from what it read:
 
     next token = sim_next_token(context read back from the paged KV, sample index)
+    beam candidates = sim_candidates(that context, how many)
 
 So a wrong table entry, a missing copy, a stale prefix-cache hit or a block reused while still
 referenced changes the tokens, and tests comparing against `reference_tokens` (computed
@@ -24,6 +25,46 @@ from control_plane.plan import NULL_BLOCK_ID, Plan, SeqOutput, StepResult, Worke
 def sim_next_token(context: list[int], sample_index: int, vocab_size: int) -> int:
     h = blake2b(array("I", context).tobytes(), digest_size=8, salt=sample_index.to_bytes(8, "little"))
     return int.from_bytes(h.digest(), "little") % vocab_size
+
+
+def sim_candidates(context: list[int], k: int, vocab_size: int) -> tuple[list[int], list[float]]:
+    """Beam search's top-k stand-in: k distinct tokens with strictly decreasing logprobs, all
+    derived from the context (rank r's logprob lies in (-(r + 1), -r])."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    salt = 1 << 20
+    while len(tokens) < k:
+        token = sim_next_token(context, salt, vocab_size)
+        salt += 1
+        if token not in tokens:
+            frac = sim_next_token(context, salt, 1 << 16) / (1 << 16)
+            logprobs.append(-(len(tokens) + frac))
+            tokens.append(token)
+    return tokens, logprobs
+
+
+def reference_beams(prompt: list[int], search, vocab_size: int):
+    """What a correct engine returns for a beam search (`control_plane.beam_search.BeamSearch`,
+    fresh), with no paging involved: its finished hypotheses, best first."""
+    from control_plane.beam_search import Beam
+
+    beams = [Beam([], [])]
+    while True:
+        candidates = [
+            list(zip(*sim_candidates(prompt + b.token_ids, search.num_candidates, vocab_size), strict=True))
+            for b in beams
+        ]
+        chosen = search.step(beams, candidates)
+        if search.done:
+            return search.finished
+        beams = [
+            Beam(
+                [*beams[c.parent].token_ids, c.token],
+                [*beams[c.parent].logprobs, c.logprob],
+                c.cumulative_logprob,
+            )
+            for c in chosen
+        ]
 
 
 def reference_tokens(
@@ -121,6 +162,10 @@ class SimWorker:
             context = self._read(s.seq_id, s.start_pos + len(token_ids)) if self.verify else token_ids
             base = self.sample_index[s.seq_id]
             vocab = self._info.vocab_size
+            if s.num_candidates:
+                toks, logprobs = sim_candidates(context, s.num_candidates, vocab)
+                outputs.append(SeqOutput(s.seq_id, toks, logprobs))
+                continue
             toks = [sim_next_token(context, base + i, vocab) for i in range(s.num_samples)]
             self.last_sample[s.seq_id] = toks[0]
             outputs.append(SeqOutput(s.seq_id, toks, None))

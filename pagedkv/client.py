@@ -59,6 +59,8 @@ class Completion:
     finish_reason: str = ""  # "STOP", "LENGTH", "ABORT", ...
     usage: engine_pb2.Usage | None = None
     logprobs: list[float] = field(default_factory=list)
+    cumulative_logprob: float | None = None  # beam search: the beam's summed logprob
+    beam_score: float | None = None  # beam search: its rank score (length-penalised)
 
 
 def resolve_target(target: str | Sequence[str]) -> str:
@@ -108,6 +110,8 @@ def build_request(
     request_id: str = "",
     priority: int = 0,
     cache_salt: str = "",
+    beam_width: int = 0,
+    length_penalty: float | None = None,
 ) -> engine_pb2.GenerateRequest:
     """A GenerateRequest from keyword arguments (exactly one of `prompt` and `token_ids`)."""
     if (prompt is None) == (token_ids is None):
@@ -123,6 +127,8 @@ def build_request(
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
         logprobs=logprobs,
+        beam_width=beam_width,
+        length_penalty=length_penalty,
     )
     return engine_pb2.GenerateRequest(
         request_id=request_id,
@@ -143,6 +149,8 @@ def collect(messages, completions: dict[int, Completion]) -> None:
         if m.finish_reason:
             c.finish_reason = engine_pb2.FinishReason.Name(m.finish_reason).removeprefix("FINISH_REASON_")
             c.usage = m.usage
+            if m.HasField("beam_score"):
+                c.cumulative_logprob, c.beam_score = m.cumulative_logprob, m.beam_score
 
 
 class _EngineChannel:
@@ -313,3 +321,20 @@ class AsyncClient(_EngineChannel):
         req = health_pb2.HealthCheckRequest(service=service)
         resp = await self._unary(self._health.Check, req, timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait until the server reports SERVING; raises TimeoutError naming the last status."""
+        import asyncio
+        import time
+
+        deadline = time.monotonic() + timeout
+        last = "unreachable"
+        while time.monotonic() < deadline:
+            try:
+                last = await self.health(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+                if last == "SERVING":
+                    return
+            except ClientError as e:
+                last = e.code.name
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"{self.target} not SERVING after {timeout:.0f}s (last: {last})")

@@ -56,6 +56,7 @@ def test_mixed_soak_16_clients(stack):
     for kind in ("plain", "cancel", "deadline", "reuse", "hostile-id", "hostile-salt", "hostile-stop"):
         assert tally.kinds[kind] > 0, f"the soak never ran a {kind!r} request: {dict(tally.kinds)}"
     assert tally.codes["OK"] > 0 and tally.finishes["LENGTH"] > 0
+    assert tally.beam_searches > 0, "the soak never completed a beam search"
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
