@@ -31,6 +31,7 @@ SUITES = [
     "memory",
     "prefix_cache",
     "preemption",
+    "beam_search",
 ]
 RESULTS = Path(__file__).parent / "results"
 

@@ -37,6 +37,8 @@ GOALS = (
     Goal("memory", "paged_max_waste_tokens_per_seq", "<=", 15, "paged KV waste per sequence (tokens)"),
     Goal("prefix_cache", "ttft_speedup", ">=", 8.0, "TTFT cold / warm, 512-token shared system prompt"),
     Goal("preemption", "all_completed", "==", True, "every request of a 3x-oversubscribed pool completes"),
+    Goal("beam_search", "memory_saving_w4_long_prompt_min", ">=", 0.37,
+         "KV blocks saved by sharing, beam width 4, 512-token prompt (vLLM paper: 37.6-55.2 %)"),
     Goal("cpu_forward", "decode_b64_fraction_of_plain_mm_ceiling", ">=", 0.70,
          "CPU decode step at batch 64: plain torch.mm time of its GEMMs / step time"),
     Goal("launch_args", "decode_pack_us", "<=", 10.0,

@@ -42,11 +42,12 @@ from control_plane.plan import ContinuingSequence, KVLayout, NewSequence, Plan, 
 from control_plane.request import FinishReason, Request, RequestOutput, SeqStatus, Sequence
 from control_plane.scheduler_beams import SchedulerBeams, to_compute
 from control_plane.scheduler_config import SchedulerConfig
+from control_plane.scheduler_queries import SchedulerQueries
 from control_plane.scheduler_update import SchedulerUpdate
-from control_plane.stats import AllocationRate, SequenceTable, StatsSnapshot, ref_count_histogram
+from control_plane.stats import AllocationRate
 
 
-class Scheduler(SchedulerBeams, SchedulerUpdate):
+class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
     def __init__(self, config: SchedulerConfig, worker_info: WorkerInfo) -> None:
         config.validate()
         self.config = config
@@ -378,74 +379,6 @@ class Scheduler(SchedulerBeams, SchedulerUpdate):
             self.pending_finished.append(seq.seq_id)
         seq.synced = False
         seq.num_synced_blocks = 0
-
-    # -- queries and recovery -----------------------------------------------------------
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def has_pending_work(self) -> bool:
-        return bool(self.requests) or bool(self.pending_finished)
-
-    def block_tables(self, request_id: str) -> list[SequenceTable]:
-        req = self._get(request_id)
-        return [
-            SequenceTable(
-                s.sample_index,
-                self.kv.block_ids(s.seq_id),
-                s.num_tokens,
-                min(
-                    s.num_computed_tokens, s.num_tokens
-                ),  # overlap: pending samples' slots are not tokens yet
-            )
-            for s in req.sequences
-            if not s.is_finished
-        ]
-
-    def stats(self) -> StatsSnapshot:
-        pool = self.kv.pool
-        frag = sum(
-            len(t) * self.block_size - min(self.seqs[sid].num_tokens, len(t) * self.block_size)
-            for sid, t in self.kv.tables.items()
-        )
-        queries = self.kv.prefix_queries
-        return StatsSnapshot(
-            num_blocks_total=pool.num_blocks - 1,
-            num_blocks_free=pool.num_free_blocks,
-            num_blocks_cached=len(pool.cached),
-            kv_usage=pool.usage(),
-            block_size=self.block_size,
-            blocks_allocated_total=pool.num_allocated_total,
-            blocks_allocated_per_s=self._alloc_rate.update(pool.num_allocated_total),
-            prefix_cache_queries=queries,
-            prefix_cache_hits=self.kv.prefix_hits,
-            prefix_cache_hit_rate=self.kv.prefix_hits / queries if queries else 0.0,
-            internal_fragmentation_slots=frag,
-            ref_count_histogram=ref_count_histogram(pool.blocks),
-            num_preemptions=self.num_preemptions,
-            num_running=len(self.running),
-            num_waiting=self.num_waiting,
-            num_finished_requests=self.num_finished_requests,
-            num_steps=self.num_steps,
-            num_evictions=pool.num_evictions,
-        )
-
-    def on_worker_lost(self) -> None:
-        """The worker's mirrors and KV contents are gone (restart) or unknown (failed step):
-        preempt every running sequence, forget what the worker was told, and drop the prefix
-        cache, whose blocks lived in the lost KV pool."""
-        for seq in reversed(self.running):
-            self._preempt(seq)
-        self.running.clear()
-        self.pending_finished.clear()
-        for seq in self.seqs.values():
-            seq.num_pending = 0  # samples of the lost steps never arrive; recompute redraws them
-        for req in self.requests.values():
-            req.fan_out_planned = req.forked  # a fan-out lost with its step is planned again
-        if not self.kv.pool.reset_prefix_cache():
-            raise AssertionError("blocks still held after preempting every running sequence")
-
-    def reset_prefix_cache(self) -> bool:
-        return self.kv.pool.reset_prefix_cache()
 
 
 def _seats(seq: Sequence) -> int:
