@@ -228,10 +228,11 @@ class AsyncEngine(EngineRequests):
                 if attempt == 1 or attempt % 20 == 0:
                     log.error("worker.owned_by_another_control_plane", error=str(e), attempt=attempt)
             except EngineError as e:
-                if attempt == 1 or attempt % 20 == 0:
-                    # The first miss is normal while a co-started worker loads; ~15 s of them is not.
-                    report = log.info if attempt == 1 else log.warning
-                    report("worker.waiting", worker=self.worker.target, error=str(e), attempt=attempt)
+                if attempt == 1 and isinstance(e, WorkerUnavailableError):
+                    # Normal while a co-started worker starts: no error text; ~15 s of misses is not.
+                    log.info("worker.waiting", worker=self.worker.target, status="waiting for worker")
+                elif attempt == 1 or attempt % 20 == 0:
+                    log.warning("worker.waiting", worker=self.worker.target, error=str(e), attempt=attempt)
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_delay)
         self.worker.hold_lease(self._on_worker_stream_lost)
