@@ -1,6 +1,7 @@
 """Compiles every instantiation once per session (in parallel, into a per-session cubin
-cache) and reports the ptxas resource table in pytest's terminal summary, so it appears in
-CI logs without `-s`."""
+cache). The ptxas resource table (~150 lines) is written to `kernel-resources.txt` in the
+session's pytest temp directory, and the terminal summary names that file in one line;
+PAGEDKV_PTXAS_TABLE=1 prints the whole table in the summary instead (CI logs without `-s`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from kernels.specs import ProgramSpec
 from tests.kernels.instantiations import ARCHS, all_programs, compile_into
 
 RESOURCE_TABLE = pytest.StashKey[list[str]]()
+RESOURCE_FILE = pytest.StashKey[str]()
+PRINT_TABLE_ENV = "PAGEDKV_PTXAS_TABLE"
 
 
 @pytest.fixture(scope="session")
@@ -33,13 +36,24 @@ def compiled_programs(kernel_cache_dir) -> dict[tuple[ProgramSpec, str], Compile
     return {(spec, arch): program for spec, arch, program in results}
 
 
-def record_resource_table(config: pytest.Config, lines: list[str]) -> None:
+def record_resource_table(config: pytest.Config, lines: list[str], directory) -> None:
+    """Keep the table for the summary and write it to `directory`/kernel-resources.txt."""
+    path = directory / "kernel-resources.txt"
+    path.write_text("\n".join(lines) + "\n")
     config.stash[RESOURCE_TABLE] = lines
+    config.stash[RESOURCE_FILE] = str(path)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     lines = config.stash.get(RESOURCE_TABLE, None)
-    if lines:
-        terminalreporter.section("kernel resource usage (ptxas -v)")
+    if not lines:
+        return
+    terminalreporter.section("kernel resource usage (ptxas -v)")
+    if os.environ.get(PRINT_TABLE_ENV, "") not in ("", "0"):
         for line in lines:
             terminalreporter.write_line(line)
+    else:
+        terminalreporter.write_line(
+            f"{len(lines) - 1} rows (kernel x arch) in {config.stash[RESOURCE_FILE]} "
+            f"({PRINT_TABLE_ENV}=1 prints it here)"
+        )

@@ -42,7 +42,7 @@ def test_every_instantiation_compiles_with_lowered_names_and_resources(compiled_
             assert usage.registers > 0
 
 
-def test_no_spills_and_within_arch_limits(compiled_programs, request):
+def test_no_spills_and_within_arch_limits(compiled_programs, request, tmp_path_factory):
     lines = [f"{'arch':6} {'regs':>4} {'smem':>6} {'dyn':>6} {'stack':>5} {'spill':>9}  kernel"]
     problems = []
     for (spec, arch), program in sorted(compiled_programs.items(), key=lambda kv: (kv[0][1], kv[0][0].label)):
@@ -64,8 +64,8 @@ def test_no_spills_and_within_arch_limits(compiled_programs, request):
                 # A split-K decode launch must work without raising the function's limit.
                 if usage.static_smem + dynamic > DEFAULT_DYNAMIC_SMEM_LIMIT:
                     problems.append(f"{arch} {expression}: split launch exceeds 48 KB of shared memory")
-    record_resource_table(request.config, lines)
-    print("\n".join(lines))
+    record_resource_table(request.config, lines, tmp_path_factory.getbasetemp())
+    print("\n".join(lines))  # shown with the failure report, if any
     assert not problems, "\n".join(problems)
 
 
