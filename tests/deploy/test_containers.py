@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from control_plane.service import LIVENESS_SERVICE
-from pagedkv.cli import build_parser
-from tests.deploy.unit_files import REPO
+from pagedkv.cli import build_parser, parse_bytes
+from tests.deploy.unit_files import REPO, SYSTEMD_DIR, read_env_file
 
 DOCKER = REPO / "deploy" / "docker"
 K8S = REPO / "deploy" / "k8s"
@@ -125,6 +125,31 @@ def test_k8s_pod_runs_both_processes_with_probes_and_a_gpu():
     assert "--alive" in containers["worker"]["livenessProbe"]["exec"]["command"]
     grace = int(config_map["data"]["PAGEDKV_SHUTDOWN_GRACE"])
     assert pod["terminationGracePeriodSeconds"] > grace
+
+
+def test_k8s_and_compose_settings_are_the_systemd_env_settings():
+    """One set of names: every ConfigMap key and every variable the compose files read is a
+    setting of deploy/systemd/pagedkv.env, in the same format: the containers' commands parse
+    with pagedkv.env's values put in."""
+    env = read_env_file(SYSTEMD_DIR / "pagedkv.env")
+    (config_map,) = _by_kind("ConfigMap")
+    assert sorted(set(config_map["data"]) - env.keys()) == []
+    compose_only = {"PAGEDKV_IMAGE", "PAGEDKV_SECRETS_DIR"}  # which image, where the secrets are
+    compose_files = sorted(DOCKER.glob("compose*.yaml"))
+    used = {name for path in compose_files for name in re.findall(r"\$\{(\w+)", path.read_text())}
+    assert sorted(used - compose_only - env.keys()) == []
+
+    budget = parse_bytes(env["PAGEDKV_KV_CACHE"].removeprefix("--kv-cache-memory="))
+    parser = build_parser()
+    (deployment,) = _by_kind("Deployment")
+    for container in deployment["spec"]["template"]["spec"]["containers"]:
+        args = parser.parse_args(_container_args(container, env))
+        if args.command == "worker":
+            assert args.kv_cache_memory == budget
+    with_env = lambda word: re.sub(r"\$\{(\w+):-[^}]*\}", lambda m: env[m.group(1)], word)
+    services = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]
+    worker = parser.parse_args([with_env(w) for w in services["worker"]["command"]])
+    assert worker.kv_cache_memory == budget
 
 
 def control_port(args) -> int:
