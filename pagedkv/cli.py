@@ -15,78 +15,34 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
+from pagedkv.cli_types import (  # argparse value types, shared by every command
+    INT32_MAX,
+    INT32_MIN,
+    UINT32_MAX,
+    UINT64_MAX,
+    _block_size,
+    _count,
+    _DefaultsFormatter,
+    _int_in,
+    _interval,
+    _num_blocks,
+    _port,
+    _positive,
+    _positive_seconds,
+    _seconds,
+    parse_bytes,
+    token_id_list,
+)
 from pagedkv.logs import FORMATS, LEVELS
+from pagedkv.openai_api.cli import add_openai_parser, add_serve_http_flags  # argparse only
 
 DEFAULT_SERVER = os.environ.get("PAGEDKV_SERVER", "127.0.0.1:50051")
 DEFAULT_WORKER = "127.0.0.1:50052"
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """'1073741824', '512Mi', '2G', '1.5GiB' -> bytes (K/M/G decimal, Ki/Mi/Gi binary)."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]i?)?[bB]?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad byte size {text!r}; e.g. 268435456, 256Mi, 2G")
-    value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"byte size must be positive, got {text!r}")
-    return int(value)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535 (0 = any free port), got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"seconds must be >= 0, got {text}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"seconds must be > 0, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-class _DefaultsFormatter(argparse.HelpFormatter):
-    """Appends a flag's default to its help, unless the help names it already or there is none:
-    the server commands' --help is what an operator reads to see what they run with."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
-            return text
-        return text + " (default %(default)s)"
-
-
-def _interval(text: str) -> float:
-    value = float(text)
-    if not 0.01 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"poll interval must be 0.01..3600 seconds, got {text}")
-    return value
+DEFAULT_PORT = 50051
+# worker.default_model.PRESETS, named here without importing torch (a test keeps them equal).
+RANDOM_PRESETS = ("default", "qwen3-small-fp32", "qwen2.5-0.5b", "qwen3-0.6b")
 
 
 def _add_metrics_flags(p: argparse.ArgumentParser, what: str) -> None:
@@ -143,11 +99,17 @@ def _add_logging(p: argparse.ArgumentParser) -> None:
 
 
 def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> None:
-    p.add_argument("--model", metavar="DIR", help="checkpoint dir (default: the embedded tiny Qwen3)")
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="Hugging Face checkpoint dir (config.json + *.safetensors; tokenizer.json optional: "
+        "without it prompts and output are token ids), or random:PRESET, random weights "
+        f"({', '.join(RANDOM_PRESETS)}) (default: the embedded tiny Qwen3, i.e. random:default)",
+    )
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
-    p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block, a power of two")
+    p.add_argument("--block-size", type=_block_size, default=16, help="tokens per KV block, a power of two")
     pool = p.add_mutually_exclusive_group()
-    pool.add_argument("--num-blocks", type=_positive, help="KV pool size in blocks (incl. the null block)")
+    pool.add_argument("--num-blocks", type=_num_blocks, help="KV pool size in blocks (incl. the null block)")
     pool.add_argument(
         "--kv-cache-memory", type=parse_bytes, metavar="BYTES", help="KV budget, e.g. 268435456, 512Mi, 2G"
     )
@@ -241,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_server_commands(sub)
     _add_client_commands(sub)
+    add_openai_parser(sub)
     return ap
 
 
@@ -271,9 +234,24 @@ def _add_server_commands(sub) -> None:
     _add_client_security_flags(c, "worker-", "a TCP worker")
     _lifecycle_flags(c)
 
-    s = sub.add_parser("serve", help="run worker + control plane as two supervised processes")
-    s.add_argument("--host", default="127.0.0.1", help="public host (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=50051, help="public port (0 = any free port)")
+    s = sub.add_parser(
+        "serve",
+        help="run worker + control plane as two supervised processes",
+        description="The worker and the control plane as two supervised processes (what `make run` "
+        f"runs): the public pagedkv.v1.Engine API on 127.0.0.1:{DEFAULT_PORT} unless --host/--port "
+        "say otherwise, the embedded default model (random:default) unless --model says otherwise.",
+    )
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="public host (default 127.0.0.1; 0.0.0.0 = every interface: add TLS and a token, below)",
+    )
+    s.add_argument(
+        "--port",
+        type=_port,
+        default=DEFAULT_PORT,
+        help=f"public port (default {DEFAULT_PORT}; 0 = any free port)",
+    )
     _add_worker_flags(s, for_serve=True)
     _add_scheduler_flags(s)
     s.add_argument(
@@ -284,6 +262,7 @@ def _add_server_commands(sub) -> None:
     )
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of both metrics endpoints")
     _add_serve_security_flags(s)
+    add_serve_http_flags(s)
     _add_control_limits(s)
     _add_shutdown_grace(s)  # both children
     s.add_argument(
@@ -304,22 +283,71 @@ def _add_server_commands(sub) -> None:
         p.formatter_class = _DefaultsFormatter
 
 
+def _add_generate_command(sub) -> argparse.ArgumentParser:
+    """generate: one flag per GenerateRequest field, grouped as engine.proto groups them
+    (pagedkv.commands.request_kwargs turns them into build_request's keywords)."""
+    g = sub.add_parser(
+        "generate",
+        help="stream a generation",
+        description="Stream a generation. Output: the text as it arrives; a token that added no text "
+        "of its own (a special token, or a byte of a character that a later token completes) shows "
+        "as its id in angle quotes, e.g. \u2039300\u203a. --ids prints token ids instead, --json "
+        "one object per message. The summary line goes to stderr.",
+    )
+    prompt = g.add_argument_group("prompt (exactly one)")
+    prompt.add_argument("prompt", nargs="?", help="prompt text, tokenized by the server")
+    prompt.add_argument("--token-ids", type=token_id_list, metavar="1,2,3", help="prompt as token ids")
+    sampling = g.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=_int_in(1, UINT32_MAX), default=16, help="(default 16)")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1.0 = off)")
+    sampling.add_argument("--top-k", type=_int_in(0, UINT32_MAX), default=0, help="(default 0 = off)")
+    sampling.add_argument("--seed", type=_int_in(0, UINT64_MAX), help="(default: random)")
+    sampling.add_argument(
+        "--n", type=_int_in(1, UINT32_MAX), default=1, help="parallel samples, or beams returned (default 1)"
+    )
+    sampling.add_argument(
+        "--beam-width",
+        type=_int_in(0, UINT32_MAX),
+        default=0,
+        help="beam search with this many beams (0/1 = off); greedy, with --n best beams printed at the end",
+    )
+    sampling.add_argument(
+        "--length-penalty", type=float, help="beam search: score = logprob sum / length ** this (default 1.0)"
+    )
+    stopping = g.add_argument_group("stopping")
+    stopping.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    stopping.add_argument(
+        "--stop-token-ids",
+        type=token_id_list,
+        action="extend",
+        metavar="ID,ID",
+        help="token ids that end a sample, besides the model's EOS (repeatable; needs no tokenizer)",
+    )
+    stopping.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    request = g.add_argument_group("request")
+    request.add_argument("--request-id", help="choose the request id (default: assigned by the server)")
+    request.add_argument(
+        "--priority", type=_int_in(INT32_MIN, INT32_MAX), default=0, help="lower runs first (default 0)"
+    )
+    request.add_argument(
+        "--cache-salt", metavar="TEXT", help="isolate prefix-cache sharing to requests with this salt"
+    )
+    output = g.add_argument_group("output")
+    form = output.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true", help="one JSON object per response message")
+    form.add_argument("--ids", action="store_true", help="print the generated token ids instead of text")
+    output.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="ask for each token's log-probability: a table (id, logprob, text) per sample, or in --json",
+    )
+    return g
+
+
 def _add_client_commands(sub) -> None:
     """generate, stats, block-table, model-info: one-shot clients of a running control plane."""
-    g = sub.add_parser("generate", help="stream a generation")
-    g.add_argument("prompt", nargs="?", help="prompt text (or use --token-ids)")
-    g.add_argument("--token-ids", metavar="1,2,3", help="prompt as comma-separated token ids")
-    g.add_argument("--max-tokens", type=_positive, default=16)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--n", type=_positive, default=1, help="parallel samples")
-    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--request-id", help="choose the request id (default: assigned by the server)")
-    g.add_argument("--json", action="store_true", help="one JSON object per response message")
-
+    g = _add_generate_command(sub)
     st = sub.add_parser("stats", help="KV pool and scheduler statistics")
     st.add_argument("--json", action="store_true")
     st.add_argument(
@@ -340,17 +368,48 @@ def _add_client_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    if args.command == "generate" and (args.prompt is None) == (args.token_ids is None):
-        ap.error("generate: give a PROMPT or --token-ids, not both")
     try:
-        return _dispatch(args)
+        args = parse_args(build_parser(), argv)
+        code = _dispatch(args)
+        sys.stdout.flush()  # a reader that left shows up here, not in the interpreter's exit
+        return code
     except KeyboardInterrupt:
         return 130
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `pagedkv stats | head -3`: the reader left; stop quietly, as `cat` would
+        _discard_stdout()
+        return 128 + 13  # what a shell reports for a process ended by SIGPIPE
+
+
+def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse; usage errors after the command name are reported with that command's usage."""
+    args, unknown = ap.parse_known_args(argv)
+    command = _command_parser(ap, args.command)
+    if unknown:
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "generate":
+        if args.prompt is not None and args.token_ids is not None:
+            command.error("give a PROMPT or --token-ids, not both")
+        if args.prompt is None and args.token_ids is None:
+            command.error("give a PROMPT (text) or --token-ids 1,2,3")
+    return args
+
+
+def _command_parser(ap: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _discard_stdout() -> None:
+    """After EPIPE: point stdout at /dev/null so the interpreter's final flush cannot raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor (stdout replaced in-process)
+        pass
 
 
 def _dispatch(args) -> int:
@@ -370,6 +429,10 @@ def _dispatch(args) -> int:
         from pagedkv.serve import run_serve
 
         return run_serve(args)
+    if args.command == "openai":
+        from pagedkv.openai_api.cli import run_openai
+
+        return run_openai(args)
     from pagedkv import commands
 
     handler = {

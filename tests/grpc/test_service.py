@@ -160,6 +160,43 @@ def test_async_client_streams_and_queries(stack):
     assert stats.num_blocks_total == 63 and health == "SERVING"
 
 
+def test_async_client_wait_ready_waits_for_serving(make_stack):
+    """Like Client.wait_ready: returns once health is SERVING, else TimeoutError naming the last
+    status (NOT_SERVING while the worker is gone, UNAVAILABLE with nobody listening)."""
+    import asyncio
+
+    from control_plane.engine_loop import EngineOptions
+
+    stack = make_stack(options=EngineOptions(worker_grace_s=0.2))
+    stack.kill_worker()
+    with pytest.raises(ClientError):  # the loss is noticed at the next step
+        stack.client.complete(token_ids=PROMPT, max_tokens=2)
+    deadline = time.monotonic() + 60  # a hang guard only
+    while stack.client.health() != "NOT_SERVING":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+    async def run():
+        async with AsyncClient(stack.address) as c:
+            with pytest.raises(TimeoutError, match=r"not SERVING .*\(last: NOT_SERVING\)"):
+                await c.wait_ready(timeout=0.3)
+            waiting = asyncio.ensure_future(c.wait_ready(timeout=60))
+            await asyncio.sleep(0.1)
+            assert not waiting.done()  # the worker is still down
+            await asyncio.to_thread(stack.restart_worker)
+            await waiting
+            return await c.health()
+
+    assert asyncio.run(run()) == "SERVING"
+
+    async def unreachable():
+        async with AsyncClient("127.0.0.1:1") as c:  # loopback, nothing listens on port 1
+            with pytest.raises(TimeoutError, match=r"\(last: UNAVAILABLE\)"):
+                await c.wait_ready(timeout=0.5)
+
+    asyncio.run(unreachable())
+
+
 def test_idle_engine_does_not_step(stack):
     stack.client.complete(token_ids=PROMPT, max_tokens=3)
     before = stack.wait_idle().num_steps

@@ -1,0 +1,127 @@
+"""argparse value types of the `pagedkv` commands: each parses one kind of flag value and
+says, in argparse's error, which range is valid (bad values fail before anything starts)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512Mi', '2G', '1.5GiB' -> bytes (K/M/G decimal, Ki/Mi/Gi binary)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]i?)?[bB]?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad byte size {text!r}; e.g. 268435456, 256Mi, 2G")
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"byte size must be positive, got {text!r}")
+    return int(value)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535 (0 = any free port), got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"seconds must be >= 0, got {text}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"seconds must be > 0, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+# Checked here, before `serve` spawns anything, with the worker's own words (WorkerConfig.validate).
+def _block_size(text: str) -> int:
+    value = int(text)
+    if value < 1 or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"block_size must be a power of two, got {value}")
+    return value
+
+
+def _num_blocks(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"num_blocks must be >= 2 (block 0 is the null block), got {value}")
+    return value
+
+
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _int_in(lo: int, hi: int):
+    """An argparse type: an integer in lo..hi (the range of the proto field it fills)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {value}")
+        return value
+
+    return parse
+
+
+def token_id_list(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3]: ids as the wire carries them (uint32); the server checks them
+    against the model's vocab_size."""
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, e.g. 1,2,3; got {text!r}"
+        ) from None
+    if not ids:
+        raise argparse.ArgumentTypeError(f"expected at least one token id, got {text!r}")
+    bad = next((i for i in ids if not 0 <= i <= UINT32_MAX), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(
+            f"token ids are integers in 0..{UINT32_MAX} (and below the model's vocab_size), got {bad}"
+        )
+    return ids
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends a flag's default to its help, unless the help names it already or there is none:
+    the server commands' --help is what an operator reads to see what they run with."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return text + " (default %(default)s)"
+
+
+def _interval(text: str) -> float:
+    value = float(text)
+    if not 0.01 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"poll interval must be 0.01..3600 seconds, got {text}")
+    return value
