@@ -201,8 +201,7 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         budget = self.config.max_num_batched_tokens
         self.kv.begin_plan()
         if self._running_dirty:
-            # arrival last: a beam group's sequences stay contiguous (scheduler_beams)
-            self.running.sort(key=lambda s: (s.request.priority, s.admitted_at, s.request.arrival))
+            self.running.sort(key=_running_order)
             self._running_dirty = False
         budget, preempted = self._schedule_running(plan, budget)
         if not preempted and self._may_admit():
@@ -379,6 +378,13 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
             self.pending_finished.append(seq.seq_id)
         seq.synced = False
         seq.num_synced_blocks = 0
+
+
+def _running_order(seq: Sequence) -> tuple[int, int, int]:
+    """Priority, then admission step; a beam's request serial last keeps a beam group
+    contiguous (scheduler_beams). Other sequences keep their order among equals (stable sort)."""
+    req = seq.request
+    return req.priority, seq.admitted_at, req.arrival if req.beam is not None else 0
 
 
 def _seats(seq: Sequence) -> int:

@@ -14,7 +14,8 @@ last (copy-on-write: k - 1 copies of one block, never of the prefix).
 Group invariants (what makes a coupled group deadlock-free):
   - a group is entirely running or entirely waiting: preempting one beam preempts its group
     (victims are taken from the end of `running`, where a group is contiguous: running is
-    sorted by (priority, admitted_at, arrival)), and waiting beams are admitted together;
+    sorted by (priority, admitted_at, the beam request's arrival)), and waiting beams are
+    admitted together;
   - a running group's step allocates for all its beams or none (`_schedule_beam_group`);
   - a group alone always fits: admission requires beam_width x blocks(prompt + max_tokens)
     <= the pool, an upper bound of its distinct blocks.
