@@ -32,7 +32,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "logit_bias": ({}, "the sampler has no logit bias"),
     "min_p": (0, "the sampler has no min_p; use top_p or top_k"),
     "min_tokens": (0, "the engine has no minimum output length"),
-    "use_beam_search": (False, "beam search is not exposed over HTTP"),
     "prompt_logprobs": (None, "the engine returns logprobs of generated tokens only"),
     "include_stop_str_in_output": (False, "the engine's text always stops before a stop string"),
     "echo": (False, "the engine does not return the prompt's text or logprobs"),
@@ -78,7 +77,9 @@ class _GenerationRequest(BaseModel):
     logit_bias: Any = None
     min_p: Any = None
     min_tokens: Any = None
-    use_beam_search: Any = None
+    # vLLM-style beam search: width best_of (default n), the n best beams returned
+    use_beam_search: bool = False
+    length_penalty: float | None = None
     prompt_logprobs: Any = None
     include_stop_str_in_output: Any = None
     response_format: Any = None
@@ -93,8 +94,14 @@ class _GenerationRequest(BaseModel):
             raise unsupported("response_format", "no structured output; only {'type': 'text'}")
         if self.n < 1:
             raise bad_request(f"n must be >= 1, got {self.n}", "n")
-        if self.best_of is not None and self.best_of != self.n:
-            raise unsupported("best_of", "the engine returns every sample it generates; use n")
+        if self.use_beam_search:
+            self._check_beam_search()
+        elif self.best_of is not None and self.best_of != self.n:
+            raise unsupported(
+                "best_of", "the engine returns every sample it generates; use n (or use_beam_search)"
+            )
+        elif self.length_penalty is not None:
+            raise bad_request("length_penalty needs use_beam_search: true", "length_penalty")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         if self.top_p is not None and not 0 < self.top_p <= 1:  # the Engine reads top_p 0 as "unset"
@@ -106,15 +113,34 @@ class _GenerationRequest(BaseModel):
         if not -(2**31) <= self.priority < 2**31:
             raise bad_request("priority must fit in 32 bits", "priority")
 
+    def _check_beam_search(self) -> None:
+        """Beam search is greedy over log-probabilities: sampling fields must be unset (or off);
+        the Engine checks the rest (widths, stop strings)."""
+        if self.best_of is not None and self.best_of < self.n:
+            raise bad_request(f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
+        for name, off in (("temperature", 0.0), ("top_p", 1.0), ("seed", None)):
+            value = getattr(self, name)
+            if value is not None and value != off:
+                raise bad_request(f"use_beam_search is greedy: leave {name} unset", name)
+        if self.top_k not in (None, 0, -1):
+            raise bad_request("use_beam_search is greedy: leave top_k unset", "top_k")
+
+    @property
+    def beam_width(self) -> int:
+        return (self.best_of or self.n) if self.use_beam_search else 0
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     @property
     def greedy(self) -> bool:
-        return self._temperature() == 0.0
+        """Each token is the most likely one (not so for a beam's tokens)."""
+        return self._temperature() == 0.0 and not self.use_beam_search
 
     def _temperature(self) -> float:
+        if self.use_beam_search:
+            return 0.0
         return OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
 
     def sampling(self, max_tokens: int, logprobs: bool) -> engine_pb2.SamplingParams:
@@ -138,6 +164,8 @@ class _GenerationRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             n=self.n,
             logprobs=logprobs,
+            beam_width=self.beam_width,
+            length_penalty=self.length_penalty if self.use_beam_search else None,
         )
 
     def top_logprobs_checked(self, top: int | None, param: str) -> int:

@@ -44,6 +44,41 @@ def test_greedy_completion_equals_grpc_generate(real):
     assert r.model == real.model and r.object == "text_completion" and r.id.startswith("cmpl-")
 
 
+def test_use_beam_search_equals_grpc_beam_search(real):
+    """vLLM-style beam search in the body: width best_of (default n), the n best beams, in the
+    Engine's order (best first), each equal to gRPC Generate's beam."""
+    ref = real.stack.client.complete(
+        "Beams share blocks", max_tokens=12, beam_width=4, n=2, length_penalty=0.5, ignore_eos=True
+    )
+    r = real.sdk().completions.create(
+        model=real.model,
+        prompt="Beams share blocks",
+        max_tokens=12,
+        n=2,
+        best_of=4,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5, "ignore_eos": True},
+    )
+    real.stack.wait_idle()
+    assert [c.text for c in r.choices] == [c.text for c in ref]
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 24
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"use_beam_search": True, "temperature": 0.7}, "temperature"),
+        ({"use_beam_search": True, "best_of": 1, "n": 2}, "best_of"),
+        ({"length_penalty": 0.5}, "length_penalty"),
+    ],
+)
+def test_use_beam_search_refuses_sampling_fields(real, extra, param):
+    body = {"model": real.model, "prompt": "x", "max_tokens": 4, **extra}
+    with real.http() as http:
+        resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
 def test_token_id_prompt_and_one_top_logprob_at_temperature_zero(real):
     ref = real.stack.client.complete(token_ids=[1, 2, 3, 300], max_tokens=8, logprobs=True, ignore_eos=True)[
         0
