@@ -122,6 +122,11 @@ class SchedulerBeams:
         if need + len(revived) > self.kv.pool.num_free_blocks:
             return None
         self._pop_waiting(req, len(members))
+        # Every member's hits are held before any member takes new blocks: a free cached block
+        # that one member hits could otherwise be evicted and handed to another as a fresh
+        # block, and the two would then write into one block (found by the 64-client soak).
+        shared_hits = {b.block_id: b for _, hits, _, _ in chunks for b in hits}.values()
+        self.kv.pool.touch(shared_hits)
         tokens = 0
         for seq, hits, num_hit, n in chunks:
             alloc = self.kv.allocate_slots(seq, n, hits)
@@ -129,6 +134,7 @@ class SchedulerBeams:
                 raise AssertionError(f"beam {seq.seq_id}: admission failed after the group's count")
             self._admit(plan, seq, num_hit, n, alloc)
             tokens += n
+        self.kv.pool.free_blocks(shared_hits)  # the members hold them now
         return tokens, seats
 
     def _pop_waiting(self, req: Request, count: int) -> None:
