@@ -17,6 +17,11 @@ from control_plane.stats import SequenceTable, StatsSnapshot
 from pagedkv.v1 import engine_pb2 as pb
 
 _GenerateResponse = pb.GenerateResponse
+_EARLY_STOPPING = {
+    pb.EARLY_STOPPING_HEURISTIC: "heuristic",
+    pb.EARLY_STOPPING_ON: "on",
+    pb.EARLY_STOPPING_NEVER: "never",
+}
 
 
 def decode_sampling(m: pb.SamplingParams) -> SamplingParams:
@@ -35,7 +40,15 @@ def decode_sampling(m: pb.SamplingParams) -> SamplingParams:
         logprobs=m.logprobs,
         beam_width=m.beam_width,
         length_penalty=m.length_penalty if m.HasField("length_penalty") else 1.0,
+        early_stopping=_early_stopping(m.early_stopping),
     )
+
+
+def _early_stopping(value: int) -> str:
+    mode = _EARLY_STOPPING.get(value)
+    if mode is None:
+        raise InvalidRequestError(f"sampling.early_stopping {value} is not an EarlyStopping value")
+    return mode
 
 
 def decode_generate(m: pb.GenerateRequest):

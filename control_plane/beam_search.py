@@ -1,5 +1,5 @@
 """Beam search's selection rule, exactly as Hugging Face `generate(num_beams=W, do_sample=False)`
-(transformers 5.x `_beam_search`, early_stopping=False, its default), without tensors.
+(transformers 5.x `_beam_search`; its three `early_stopping` modes), without tensors.
 
 One step, given every live beam's top `num_candidates` (token, logprob) from the worker:
 
@@ -11,8 +11,10 @@ One step, given every live beam's top `num_candidates` (token, logprob) from the
                  token); the finished set keeps its W best
     running   <- the first W of the K that are not finished (fewer if there are not W)
     done      <- no running beam left, or max_tokens reached, or the W finished are all at
-                 least as good as the best running beam could be at its current length
-                 (HF's heuristic: best running cumulative / generated_length ** length_penalty)
+                 least as good as the best running beam could be (HF's heuristic: best running
+                 cumulative / length ** length_penalty, length = the current generated length;
+                 with early_stopping "never" and length_penalty > 0, max_tokens), or, with
+                 early_stopping "on" (HF True), as soon as W beams have finished
 
 Per-beam top K and then a global top K equals HF's top K over the flattened W x vocab
 scores, since no beam contributes more than K. HF keeps W running beams even when fewer than
@@ -27,6 +29,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 _F32 = struct.Struct("f")
+EARLY_STOPPING = ("heuristic", "on", "never")  # HF's early_stopping False (default), True, "never"
 
 
 def f32(x: float) -> float:
@@ -75,6 +78,7 @@ class BeamSearch:
     length_penalty: float
     max_tokens: int
     stop_ids: Collection[int]
+    early_stopping: str = "heuristic"  # one of EARLY_STOPPING
     finished: list[Hypothesis] = field(default_factory=list)  # best first, at most `width`
     done: bool = False
 
@@ -118,7 +122,13 @@ class BeamSearch:
                         stopped,
                     )
                 )
-        self.done = at_length or not running or self._cannot_improve(running[0], generated)
+        full = len(self.finished) == self.width
+        self.done = (
+            at_length
+            or not running
+            or (full and self.early_stopping == "on")
+            or self._cannot_improve(running[0], generated)
+        )
         return running
 
     def _add(self, hypothesis: Hypothesis) -> None:
@@ -130,5 +140,8 @@ class BeamSearch:
     def _cannot_improve(self, best_running: Continuation, generated: int) -> bool:
         if len(self.finished) < self.width:
             return False
-        best_possible = f32(best_running.cumulative_logprob / f32(float(generated) ** self.length_penalty))
+        length = generated
+        if self.early_stopping == "never" and self.length_penalty > 0:
+            length = self.max_tokens  # the longest a running beam can still become
+        best_possible = f32(best_running.cumulative_logprob / f32(float(length) ** self.length_penalty))
         return best_possible <= self.finished[-1].score

@@ -59,6 +59,7 @@ class SamplingParams:
     logprobs: bool = False
     beam_width: int = 0  # 0/1 = off; >= 2: beam search over log-probabilities (greedy)
     length_penalty: float = 1.0  # beam score = cumulative logprob / length ** length_penalty
+    early_stopping: str = "heuristic"  # beam search: "heuristic" | "on" | "never" (HF False/True/"never")
 
     def for_worker(self) -> SamplingParams:
         """What travels in a plan: the sampler's fields; stop conditions at their defaults."""
@@ -104,6 +105,8 @@ class SamplingParams:
             )
         if self.stop:
             raise ValueError("stop strings are not supported with beam search; use stop_token_ids")
+        if self.early_stopping not in ("heuristic", "on", "never"):
+            raise ValueError(f"early_stopping must be heuristic, on or never, got {self.early_stopping!r}")
         if not -1e6 < self.length_penalty < 1e6:  # also refuses NaN
             raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
 

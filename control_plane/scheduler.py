@@ -113,7 +113,11 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         req.stop_ids = frozenset(stop_ids.union(req.eos_token_ids))
         if sampling.is_beam_search:
             req.beam = BeamSearch(
-                sampling.beam_width, sampling.length_penalty, sampling.max_tokens, req.stop_ids
+                sampling.beam_width,
+                sampling.length_penalty,
+                sampling.max_tokens,
+                req.stop_ids,
+                sampling.early_stopping,
             )
         self.requests[request_id] = req
         self._enqueue(self._new_sequence(req, 0, list(prompt_token_ids)))

@@ -315,6 +315,13 @@ def _add_generate_command(sub) -> argparse.ArgumentParser:
     sampling.add_argument(
         "--length-penalty", type=float, help="beam search: score = logprob sum / length ** this (default 1.0)"
     )
+    sampling.add_argument(
+        "--early-stopping",
+        choices=("heuristic", "on", "never"),
+        default="heuristic",
+        help="beam search: when to end before --max-tokens, as Hugging Face's early_stopping "
+        "False / True / 'never' (default heuristic)",
+    )
     stopping = g.add_argument_group("stopping")
     stopping.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     stopping.add_argument(

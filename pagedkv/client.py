@@ -112,6 +112,7 @@ def build_request(
     cache_salt: str = "",
     beam_width: int = 0,
     length_penalty: float | None = None,
+    early_stopping: str = "heuristic",
 ) -> engine_pb2.GenerateRequest:
     """A GenerateRequest from keyword arguments (exactly one of `prompt` and `token_ids`)."""
     if (prompt is None) == (token_ids is None):
@@ -129,6 +130,7 @@ def build_request(
         logprobs=logprobs,
         beam_width=beam_width,
         length_penalty=length_penalty,
+        early_stopping=f"EARLY_STOPPING_{early_stopping.upper()}",
     )
     return engine_pb2.GenerateRequest(
         request_id=request_id,

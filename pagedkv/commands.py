@@ -67,6 +67,7 @@ def request_kwargs(args) -> dict:
         cache_salt=args.cache_salt or "",
         beam_width=args.beam_width,
         length_penalty=args.length_penalty,
+        early_stopping=args.early_stopping,
     )
 
 

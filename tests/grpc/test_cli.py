@@ -226,9 +226,10 @@ def test_generate_flags_fill_every_request_field():
     assert (s.max_tokens, s.top_k, s.seed, s.n, list(s.stop)) == (5, 7, 3, 2, ["x"])
     assert (list(s.stop_token_ids), s.ignore_eos, s.logprobs) == ([9, 10, 11], True, True)
     assert (round(s.temperature, 6), round(s.top_p, 6)) == (0.5, 0.9)
-    beams = build_parser().parse_args("generate hi --beam-width 4 --n 2 --length-penalty 0.5".split())
+    argv = "generate hi --beam-width 4 --n 2 --length-penalty 0.5 --early-stopping never"
+    beams = build_parser().parse_args(argv.split())
     s = build_request(beams.prompt, **request_kwargs(beams)).sampling
-    assert (s.beam_width, s.n, s.length_penalty) == (4, 2, 0.5)
+    assert (s.beam_width, s.n, s.length_penalty, s.early_stopping) == (4, 2, 0.5, 2)
 
 
 def test_generate_beam_width_prints_the_best_beams_with_their_scores(stack, capsys):

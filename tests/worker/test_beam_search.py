@@ -40,7 +40,19 @@ def prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(length)]
 
 
-def hf_beams(model, ids: list[int], width: int, n: int, max_tokens: int, eos: int | None, lp: float):
+HF_EARLY_STOPPING = {"heuristic": False, "on": True, "never": "never"}
+
+
+def hf_beams(
+    model,
+    ids: list[int],
+    width: int,
+    n: int,
+    max_tokens: int,
+    eos: int | None,
+    lp: float,
+    stopping="heuristic",
+):
     """Hugging Face's n best beams: generated tokens (the EOS included) and sequences_scores."""
     x = torch.tensor([ids])
     with torch.no_grad():
@@ -51,6 +63,7 @@ def hf_beams(model, ids: list[int], width: int, n: int, max_tokens: int, eos: in
             num_return_sequences=n,
             do_sample=False,
             length_penalty=lp,
+            early_stopping=HF_EARLY_STOPPING[stopping],
             max_new_tokens=max_tokens,
             eos_token_id=eos,
             pad_token_id=VOCAB - 1,
@@ -70,13 +83,19 @@ def eos_for(model, ids: list[int], width: int) -> int:
 
 
 def beam_params(
-    width: int, n: int, eos: int | None, lp: float, max_tokens: int = MAX_TOKENS
+    width: int, n: int, eos: int | None, lp: float, max_tokens: int = MAX_TOKENS, stopping: str = "heuristic"
 ) -> SamplingParams:
     # The HF reference has exactly the stop ids given here: EOS is sent as a stop token id and
     # the checkpoint's own EOS is ignored.
     stops = () if eos is None else (eos,)
     return SamplingParams(
-        max_tokens=max_tokens, beam_width=width, n=n, length_penalty=lp, stop_token_ids=stops, ignore_eos=True
+        max_tokens=max_tokens,
+        beam_width=width,
+        n=n,
+        length_penalty=lp,
+        stop_token_ids=stops,
+        ignore_eos=True,
+        early_stopping=stopping,
     )
 
 
@@ -166,33 +185,54 @@ def spy_on_stopped_hypotheses(monkeypatch) -> list:
     return stopped
 
 
-@pytest.mark.parametrize("lp", [1.0, 0.0, -1.0])
+@pytest.mark.parametrize(
+    "lp, stopping", [(1.0, "heuristic"), (0.0, "heuristic"), (-1.0, "heuristic"), (1.0, "on"), (2.0, "never")]
+)
 @pytest.mark.parametrize("name", MODELS)
-def test_frequent_eos_ends_the_search_early(checkpoint, monkeypatch, name, lp):
+def test_frequent_eos_ends_the_search_early(checkpoint, monkeypatch, name, lp, stopping):
     """EOS = the token the unconstrained search generates most: finished beams fill up long
-    before max_tokens, EOS continuations ranked below the top W are discarded, and HF's
-    early-stop heuristic ends the search; all of which must agree with HF."""
+    before max_tokens, EOS continuations ranked below the top W are discarded, and the search
+    ends early as each of HF's early_stopping modes says; all of which must agree with HF."""
     hf_model, path = checkpoint(name)
     ids = prompt(9, seed=40)
     free = hf_beams(hf_model, ids, 4, 4, 24, None, lp)
     tokens = [t for b in free for t in b.token_ids]
     eos = max(set(tokens), key=tokens.count)
-    expected = hf_beams(hf_model, ids, 4, 4, 24, eos, lp)
-    ended_early = []
-    cannot_improve = BeamSearch._cannot_improve
+    expected = hf_beams(hf_model, ids, 4, 4, 24, eos, lp, stopping)
+    ended_early = []  # generated lengths at which a search ended before max_tokens
+    step = BeamSearch.step
 
-    def spy(self, best, generated):
-        result = cannot_improve(self, best, generated)
-        if result:
+    def spy(self, beams, candidates):
+        result = step(self, beams, candidates)
+        generated = len(beams[0].token_ids) + 1
+        if self.done and generated < self.max_tokens:
             ended_early.append(generated)
         return result
 
-    monkeypatch.setattr(BeamSearch, "_cannot_improve", spy)
+    monkeypatch.setattr(BeamSearch, "step", spy)
     engine = make_engine(path, block_size=4)
-    engine.add_request("r", ids, beam_params(4, 4, eos, lp, max_tokens=24))
+    engine.add_request("r", ids, beam_params(4, 4, eos, lp, max_tokens=24, stopping=stopping))
     assert_same_beams(run(engine)["r"], expected, eos)
-    # Either the heuristic ended the search, or HF too ran some beam to max_tokens.
+    # Either early stopping ended the search, or HF too ran some beam to max_tokens.
     assert ended_early or any(len(b.token_ids) == 24 for b in expected)
+
+
+@pytest.mark.parametrize(
+    "name, seed", [("qwen3-head-dim-tied", 44), ("llama-gqa-derived-head-dim", 40), ("qwen2-mqa-bias", 43)]
+)
+def test_early_stopping_never_keeps_searching_where_the_heuristic_stops(checkpoint, name, seed):
+    """Cases (found by a search over prompts) where HF's early_stopping "never" returns other
+    beams than its default heuristic: ours match HF in both modes."""
+    hf_model, path = checkpoint(name)
+    ids = prompt(9, seed=seed)
+    free = [t for b in hf_beams(hf_model, ids, 4, 4, 24, None, 1.0) for t in b.token_ids]
+    eos = max(set(free), key=free.count)
+    expected = {mode: hf_beams(hf_model, ids, 4, 4, 24, eos, 1.0, mode) for mode in ("heuristic", "never")}
+    assert [b.token_ids for b in expected["heuristic"]] != [b.token_ids for b in expected["never"]]
+    for mode, beams in expected.items():
+        engine = make_engine(path, block_size=4)
+        engine.add_request("r", ids, beam_params(4, 4, eos, 1.0, max_tokens=24, stopping=mode))
+        assert_same_beams(run(engine)["r"], beams, eos)
 
 
 @pytest.mark.parametrize("name", MODELS)
