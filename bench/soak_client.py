@@ -148,18 +148,20 @@ async def run_reuse(cid: int, k: int, rng: random.Random, spec: Spec, ctx: SoakC
     A's cleanup: it runs to its own end, with no ABORT and no hang."""
     rid = f"reuse-c{cid}-{k}-" + "r" * REUSE_ID_PAD
     client, peer = ctx.slow_clients[cid % len(ctx.slow_clients)], ctx.clients[(cid + 1) % len(ctx.clients)]
-    first = replace(
+    first = replace(  # a plain request: a beam search sends nothing before its end to pause at
         spec,
         kind="reuse",
         request_id=rid,
         n=1,
+        beam_width=0,
         max_tokens=max(spec.max_tokens, min(24, ctx.geo.pool_tokens - len(spec.prompt))),
         ignore_eos=True,
     )
     second = replace(
         ctx.workload.next_spec(rng), kind="reuse", request_id=rid, abortable=False, deadline_s=None
     )
-    second.max_tokens = max(second.max_tokens, 8)
+    if not second.beam_width:  # (a beam search's lengths were fitted to the pool)
+        second.max_tokens = max(second.max_tokens, 8)
     b_task: asyncio.Task | None = None
 
     async def start_second() -> None:
