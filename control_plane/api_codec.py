@@ -17,11 +17,6 @@ from control_plane.stats import SequenceTable, StatsSnapshot
 from pagedkv.v1 import engine_pb2 as pb
 
 _GenerateResponse = pb.GenerateResponse
-_EARLY_STOPPING = {
-    pb.EARLY_STOPPING_HEURISTIC: "heuristic",
-    pb.EARLY_STOPPING_ON: "on",
-    pb.EARLY_STOPPING_NEVER: "never",
-}
 
 
 def decode_sampling(m: pb.SamplingParams) -> SamplingParams:
@@ -45,10 +40,11 @@ def decode_sampling(m: pb.SamplingParams) -> SamplingParams:
 
 
 def _early_stopping(value: int) -> str:
-    mode = _EARLY_STOPPING.get(value)
-    if mode is None:
-        raise InvalidRequestError(f"sampling.early_stopping {value} is not an EarlyStopping value")
-    return mode
+    """EARLY_STOPPING_NEVER -> "never" (control_plane.beam_search.EARLY_STOPPING)."""
+    try:
+        return pb.EarlyStopping.Name(value).removeprefix("EARLY_STOPPING_").lower()
+    except ValueError:
+        raise InvalidRequestError(f"sampling.early_stopping {value} is not an EarlyStopping value") from None
 
 
 def decode_generate(m: pb.GenerateRequest):

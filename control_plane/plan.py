@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import ClassVar
 
+from control_plane.beam_search import EARLY_STOPPING
+
 NULL_BLOCK_ID = 0
 """Block 0 is never allocated to a request and never cached; padded table slots point at it."""
 
@@ -105,7 +107,7 @@ class SamplingParams:
             )
         if self.stop:
             raise ValueError("stop strings are not supported with beam search; use stop_token_ids")
-        if self.early_stopping not in ("heuristic", "on", "never"):
+        if self.early_stopping not in EARLY_STOPPING:
             raise ValueError(f"early_stopping must be heuristic, on or never, got {self.early_stopping!r}")
         if not -1e6 < self.length_penalty < 1e6:  # also refuses NaN
             raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")

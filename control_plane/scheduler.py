@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 
-from control_plane.beam_search import BeamSearch
+from control_plane.beam_search import BeamSearch, num_candidates
 from control_plane.block_hash import extra_keys as make_extra_keys
 from control_plane.errors import (
     DuplicateRequestError,
@@ -172,7 +172,7 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         stops = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stops.update(self.info.eos_token_ids)
-        k = BeamSearch(sampling.beam_width, 1.0, 1, stops).num_candidates
+        k = num_candidates(sampling.beam_width, len(stops))
         if k > self.info.vocab_size:
             raise InvalidRequestError(
                 f"beam search needs {k} candidates per beam (beam_width x (1 + stop ids)) but the "
@@ -185,6 +185,24 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         self.seqs[seq.seq_id] = seq
         req.sequences.append(seq)
         return seq
+
+    def _fork(self, parent: Sequence, index: int, num_tokens: int) -> Sequence:
+        """A new sequence of parent's request with parent's first `num_tokens` tokens, sharing
+        the blocks that hold them (ref count += 1; writes into them copy on write). If the
+        parent is not running (preempted while its step ran), the child waits to recompute."""
+        child = self._new_sequence(parent.request, index, parent.token_ids[:num_tokens])
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.block_hashes = list(parent.block_hashes)
+        if parent.status == SeqStatus.RUNNING:
+            child.status = SeqStatus.RUNNING
+            child.num_computed_tokens = num_tokens
+            child.admitted_at = parent.admitted_at
+            self.kv.fork(parent, child, num_tokens)
+            self.running.append(child)
+            self._running_dirty = True
+        else:
+            self._enqueue(child)
+        return child
 
     def _enqueue(self, seq: Sequence) -> None:
         req = seq.request

@@ -155,7 +155,7 @@ class SchedulerBeams:
     def _select_beams(self, req: Request) -> list[RequestOutput]:
         """Run the selection once every live beam has its candidates; fork, extend and drop
         beams; end the request when the search is done."""
-        live = req.sequences
+        live = list(req.sequences)  # (forks below are appended to req.sequences)
         if any(s.beam_candidates is None or s.status != SeqStatus.RUNNING for s in live):
             return []
         prompt = req.num_prompt_tokens
@@ -188,19 +188,8 @@ class SchedulerBeams:
         return []
 
     def _fork_beam(self, parent: Sequence) -> Sequence:
-        req = parent.request
-        child = Sequence(self._next_seq_id, req, 0, list(parent.token_ids))
-        self._next_seq_id += 1
-        self.seqs[child.seq_id] = child
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.block_hashes = list(parent.block_hashes)
+        child = self._fork(parent, 0, parent.num_tokens)  # a running parent: all tokens computed
         child.beam_logprobs = list(parent.beam_logprobs)
-        child.status = SeqStatus.RUNNING
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.admitted_at = parent.admitted_at
-        self.kv.fork(parent, child, parent.num_tokens)
-        self.running.append(child)
-        self._running_dirty = True
         return child
 
     def _drop_beam(self, seq: Sequence) -> None:

@@ -95,20 +95,9 @@ class SchedulerUpdate:
         any_finished = False
         num_prompt = req.num_prompt_tokens
         for i, token in enumerate(tokens, start=1):
-            child = self._new_sequence(req, i, list(req.prompt_token_ids))
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.block_hashes = list(parent.block_hashes)
-            if parent.status == SeqStatus.RUNNING:
-                child.status = SeqStatus.RUNNING
-                child.num_computed_tokens = num_prompt
-                child.admitted_at = parent.admitted_at
-                # Only the prompt's blocks: with overlap the parent may already hold a block
-                # for its next position, which the child would have to copy-on-write.
-                self.kv.fork(parent, child, num_prompt)
-                self.running.append(child)
-                self._running_dirty = True
-            else:  # the parent was preempted while this step ran (overlap): recompute later
-                self._enqueue(child)
+            # Only the prompt's blocks: with overlap the parent may already hold a block for
+            # its next position, which the child would have to copy-on-write.
+            child = self._fork(parent, i, num_prompt)
             if self._append(child, token):
                 any_finished = True
             outputs.append(self._output(child, [token], [logprobs[i - 1]] if logprobs else None))

@@ -19,6 +19,7 @@ import time
 from array import array
 from hashlib import blake2b
 
+from control_plane.beam_search import Beam
 from control_plane.plan import NULL_BLOCK_ID, Plan, SeqOutput, StepResult, WorkerInfo
 
 
@@ -46,8 +47,6 @@ def sim_candidates(context: list[int], k: int, vocab_size: int) -> tuple[list[in
 def reference_beams(prompt: list[int], search, vocab_size: int):
     """What a correct engine returns for a beam search (`control_plane.beam_search.BeamSearch`,
     fresh), with no paging involved: its finished hypotheses, best first."""
-    from control_plane.beam_search import Beam
-
     beams = [Beam([], [])]
     while True:
         candidates = [
