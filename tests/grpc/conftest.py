@@ -20,6 +20,7 @@ from control_plane.sim_worker import SimWorker
 from tests.grpc.harness import Stack
 
 VOCAB = 512  # >= 258 so the byte tokenizer fits
+STEP_WAIT_S = 30.0  # SteppedWorker: a hang guard only
 
 
 class ScriptedWorker(SimWorker):
@@ -46,6 +47,28 @@ class ScriptedWorker(SimWorker):
             exc, self.fail_next = self.fail_next, None
             raise exc
         return super().execute(plan)
+
+
+class SteppedWorker(ScriptedWorker):
+    """Each Execute takes one permit from `permits` (a semaphore the test releases), so a test
+    can stop the engine between two steps and look at its state."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.permits = threading.Semaphore(0)
+
+    def execute(self, plan):
+        if not self.permits.acquire(timeout=STEP_WAIT_S):
+            raise TimeoutError("the test never released a step")
+        return super().execute(plan)
+
+
+@pytest.fixture
+def stepped_stack():
+    stack = Stack(lambda: SteppedWorker(num_blocks=64, block_size=16), SchedulerConfig())
+    yield stack
+    stack.worker.permits.release(1000)  # never leave the loop blocked in Execute
+    stack.close()
 
 
 @pytest.fixture

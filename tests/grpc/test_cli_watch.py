@@ -16,33 +16,10 @@ import time
 
 import pytest
 
-from control_plane.scheduler_config import SchedulerConfig
 from pagedkv.cli import main
-from tests.grpc.conftest import ScriptedWorker
 from tests.grpc.harness import Stack
 
 WAIT_S = 20.0
-
-
-class SteppedWorker(ScriptedWorker):
-    """Each Execute takes one permit from `permits` (a semaphore the test releases)."""
-
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self.permits = threading.Semaphore(0)
-
-    def execute(self, plan):
-        if not self.permits.acquire(timeout=WAIT_S):
-            raise TimeoutError("the test never released a step")
-        return super().execute(plan)
-
-
-@pytest.fixture
-def stepped_stack():
-    stack = Stack(lambda: SteppedWorker(num_blocks=64, block_size=16), SchedulerConfig())
-    yield stack
-    stack.worker.permits.release(1000)  # never leave the loop blocked in Execute
-    stack.close()
 
 
 class _Output(io.StringIO):
