@@ -17,16 +17,20 @@ import argparse
 import os
 import sys
 
-from pagedkv.cli_types import (  # argparse value types, shared by every command
+from pagedkv.cli_types import (  # argparse value types and flag groups, shared by every command
     INT32_MAX,
     INT32_MIN,
     UINT32_MAX,
     UINT64_MAX,
+    _add_client_security_flags,
+    _add_logging,
+    _add_shutdown_grace,
     _block_size,
     _count,
     _DefaultsFormatter,
     _int_in,
     _interval,
+    _lifecycle_flags,
     _num_blocks,
     _port,
     _positive,
@@ -35,7 +39,6 @@ from pagedkv.cli_types import (  # argparse value types, shared by every command
     parse_bytes,
     token_id_list,
 )
-from pagedkv.logs import FORMATS, LEVELS
 from pagedkv.openai_api.cli import add_openai_parser, add_serve_http_flags  # argparse only
 
 DEFAULT_SERVER = os.environ.get("PAGEDKV_SERVER", "127.0.0.1:50051")
@@ -64,18 +67,6 @@ def _add_server_security_flags(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-def _add_client_security_flags(p: argparse.ArgumentParser, prefix: str = "", what: str = "the server"):
-    """How a client reaches a secured server: TLS, a client certificate, the bearer token."""
-    p.add_argument(f"--{prefix}tls-ca", metavar="FILE", help=f"use TLS; verify {what} with this CA (PEM)")
-    p.add_argument(f"--{prefix}tls-cert", metavar="FILE", help="client certificate, for mutual TLS")
-    p.add_argument(f"--{prefix}tls-key", metavar="FILE", help=f"private key of --{prefix}tls-cert")
-    if not prefix:
-        p.add_argument("--tls-server-name", metavar="NAME", help="name to verify in the certificate")
-    p.add_argument(
-        f"--{prefix}auth-token-file", metavar="FILE", help=f"send the bearer token in this file to {what}"
-    )
-
-
 def _add_serve_security_flags(s: argparse.ArgumentParser) -> None:
     """serve: security of the public port (the worker link is a private Unix socket), plus what
     serve's own readiness check and printed commands need to pass it."""
@@ -91,11 +82,6 @@ def _add_serve_security_flags(s: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="name in --tls-cert that serve's own checks verify (default: --host; localhost for 0.0.0.0)",
     )
-
-
-def _add_logging(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-format", choices=FORMATS, default="console", help="log lines as JSON or for humans")
-    p.add_argument("--log-level", choices=LEVELS, default="info", type=str.lower, help="log threshold")
 
 
 def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> None:
@@ -186,16 +172,6 @@ def _add_control_limits(p: argparse.ArgumentParser) -> None:
         help="with overlap: plans sent ahead of the result awaited; 3 when a worker step is shorter "
         "than the plan/result round trip (sub-millisecond GPU decode steps)",
     )
-
-
-def _add_shutdown_grace(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shutdown-grace", type=_seconds, default=5.0, help="seconds in-flight RPCs get on stop")
-
-
-def _lifecycle_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ready-file", metavar="PATH", help="write {address, pid} as JSON once listening")
-    _add_shutdown_grace(p)
-    _add_logging(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,10 +1,13 @@
-"""argparse value types of the `pagedkv` commands: each parses one kind of flag value and
-says, in argparse's error, which range is valid (bad values fail before anything starts)."""
+"""argparse building blocks shared by the `pagedkv` commands (pagedkv.cli, pagedkv.openai_api.cli):
+value types, each saying in argparse's error which range is valid (bad values fail before
+anything starts), and the flag groups several commands take."""
 
 from __future__ import annotations
 
 import argparse
 import re
+
+from pagedkv.logs import FORMATS, LEVELS
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
@@ -125,3 +128,30 @@ def _interval(text: str) -> float:
     if not 0.01 <= value <= 3600:
         raise argparse.ArgumentTypeError(f"poll interval must be 0.01..3600 seconds, got {text}")
     return value
+
+
+def _add_client_security_flags(p: argparse.ArgumentParser, prefix: str = "", what: str = "the server"):
+    """How a client reaches a secured server: TLS, a client certificate, the bearer token."""
+    p.add_argument(f"--{prefix}tls-ca", metavar="FILE", help=f"use TLS; verify {what} with this CA (PEM)")
+    p.add_argument(f"--{prefix}tls-cert", metavar="FILE", help="client certificate, for mutual TLS")
+    p.add_argument(f"--{prefix}tls-key", metavar="FILE", help=f"private key of --{prefix}tls-cert")
+    if not prefix:
+        p.add_argument("--tls-server-name", metavar="NAME", help="name to verify in the certificate")
+    p.add_argument(
+        f"--{prefix}auth-token-file", metavar="FILE", help=f"send the bearer token in this file to {what}"
+    )
+
+
+def _add_logging(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-format", choices=FORMATS, default="console", help="log lines as JSON or for humans")
+    p.add_argument("--log-level", choices=LEVELS, default="info", type=str.lower, help="log threshold")
+
+
+def _add_shutdown_grace(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shutdown-grace", type=_seconds, default=5.0, help="seconds in-flight RPCs get on stop")
+
+
+def _lifecycle_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ready-file", metavar="PATH", help="write {address, pid} as JSON once listening")
+    _add_shutdown_grace(p)
+    _add_logging(p)

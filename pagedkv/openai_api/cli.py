@@ -20,23 +20,16 @@ import os
 import sys
 from pathlib import Path
 
+from pagedkv.cli_types import _add_client_security_flags, _lifecycle_flags, _port
+
 DEFAULT_ENGINE = os.environ.get("PAGEDKV_SERVER", "127.0.0.1:50051")
 DEFAULT_HTTP_PORT = 8000
 HTTP_CHILD = "openai"  # the supervisor's name for the front's process
 RANDOM_MODEL_PREFIX = "random:"  # `--model random:PRESET`: a random-weight model, byte tokenizer, no dir
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535 (0 = any free port), got {value}")
-    return value
-
-
 def add_openai_parser(sub) -> argparse.ArgumentParser:
     """The `openai` subcommand (cli.py calls this while building its parser)."""
-    from pagedkv.logs import FORMATS, LEVELS
-
     p = sub.add_parser(
         "openai",
         help="run the OpenAI-compatible HTTP front (a client of the Engine)",
@@ -55,17 +48,11 @@ def add_openai_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate: serve HTTPS")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", metavar="FILE", help="HTTPS with client certificates signed by this CA")
-    p.add_argument("--engine-tls-ca", metavar="FILE", help="use TLS to the Engine; verify it with this CA")
-    p.add_argument("--engine-tls-cert", metavar="FILE", help="client certificate for the Engine (mutual TLS)")
-    p.add_argument("--engine-tls-key", metavar="FILE", help="private key of --engine-tls-cert")
+    _add_client_security_flags(p, prefix="engine-", what="the Engine")
     p.add_argument(
         "--engine-tls-server-name", metavar="NAME", help="name to verify in the Engine's certificate"
     )
-    p.add_argument("--engine-auth-token-file", metavar="FILE", help="bearer token file for the Engine")
-    p.add_argument("--ready-file", metavar="PATH", help="write {address, pid} as JSON once listening")
-    p.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds open responses get on stop")
-    p.add_argument("--log-format", choices=FORMATS, default="console", help="log lines as JSON or for humans")
-    p.add_argument("--log-level", choices=LEVELS, default="info", type=str.lower, help="log threshold")
+    _lifecycle_flags(p)
     return p
 
 
