@@ -11,12 +11,40 @@ import time
 import grpc
 import pytest
 
+from control_plane.beam_search import BeamSearch, f32
+from control_plane.sim_worker import reference_beams
 from pagedkv.client import ClientError, build_request
 from pagedkv.v1 import engine_pb2
+from tests.grpc.conftest import VOCAB
 from tests.grpc.harness import TIMEOUT_S, Stack
 
 PROMPT = list(range(3, 43))  # 40 tokens: two full blocks of 16 that every beam shares
 WAIT_S = 30.0  # a hang guard only
+
+
+def expected(width: int, n: int, max_tokens: int, lp: float, stops=frozenset()):
+    return reference_beams(PROMPT, BeamSearch(width, lp, max_tokens, stops), VOCAB)[:n]
+
+
+def test_final_messages_only_best_first_equal_to_the_unpaged_reference(stack):
+    stop = expected(4, 1, 12, 1.0)[0].token_ids[5]  # a token the search meets
+    messages = list(
+        stack.client.generate(
+            token_ids=PROMPT, max_tokens=12, beam_width=4, n=3, stop_token_ids=[stop], logprobs=True
+        )
+    )
+    want = expected(4, 3, 12, 1.0, frozenset({stop}))
+    assert [m.index for m in messages] == [0, 1, 2]
+    for m, h in zip(messages, want, strict=True):
+        assert list(m.token_ids) == h.token_ids
+        assert m.finish_reason == (
+            engine_pb2.FINISH_REASON_STOP if h.stopped else engine_pb2.FINISH_REASON_LENGTH
+        )
+        assert m.usage.prompt_tokens == len(PROMPT) and m.usage.completion_tokens == len(h.token_ids)
+        assert m.cumulative_logprob == f32(h.cumulative_logprob) and m.beam_score == f32(h.score)
+        assert list(m.logprobs) == pytest.approx(h.logprobs, abs=1e-6)
+    assert [m.beam_score for m in messages] == sorted((m.beam_score for m in messages), reverse=True)
+    assert stack.wait_idle().num_blocks_free == stack.wait_idle().num_blocks_total
 
 
 def run_steps(stack: Stack, count: int) -> None:
