@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.installed-stamp
 PROTO_SRC := $(wildcard protos/pagedkv/v1/*.proto)
-PROTO_STAMP := pagedkv/v1/.generated-stamp
+PROTO_STAMP := base/v1/.generated-stamp
 PYTEST_ARGS ?=
 
 .PHONY: all setup proto run test test-gpu bench bench-quick bench-gpu bench-peer soak device-wheels lint clean
@@ -29,11 +29,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) $(PROTO_STAMP)
 
-# Generated code is never committed and never edited by hand.
-$(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
-	mkdir -p pagedkv/v1
-	$(if $(PROTO_SRC),$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC))
-	touch pagedkv/v1/__init__.py $@
+# Generated code is never committed and never edited by hand: protos/generate.sh writes the
+# stubs to base/v1 (the base layer); `pagedkv.v1` is an alias kept for clients.
+$(PROTO_STAMP): $(PROTO_SRC) protos/generate.sh $(STAMP)
+	protos/generate.sh $(PY)
+	touch $@
 
 proto: $(PROTO_STAMP)
 
@@ -101,5 +101,5 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) pagedkv/v1 build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) base/v1 build *.egg-info .pytest_cache .ruff_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help=f"suites to run (default: all of {SUITES})")
     ap.add_argument("--out", type=Path, default=RESULTS, help="directory for the report, JSON and plots")
     args = ap.parse_args()
-    from pagedkv.logs import configure_logging
+    from base.logs import configure_logging
 
     configure_logging(level="warning")  # the services' info lines would bury the progress bar
     args.out.mkdir(parents=True, exist_ok=True)

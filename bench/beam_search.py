@@ -26,10 +26,10 @@ from __future__ import annotations
 import random
 import time
 
+from base.plan import SamplingParams
 from bench.common import engine_for, median, prompt
 from bench.suite_cli import suite_main
 from control_plane.engine import EngineCore
-from control_plane.plan import SamplingParams
 from worker.worker import Worker
 from worker.worker_config import WorkerConfig
 

@@ -8,8 +8,8 @@ import random
 import statistics
 import time
 
+from base.plan import Plan, SamplingParams, StepResult, WorkerInfo
 from control_plane.engine import EngineCore
-from control_plane.plan import Plan, SamplingParams, StepResult, WorkerInfo
 from control_plane.scheduler_config import SchedulerConfig
 
 BYTE_VOCAB = 256  # the default model's byte tokenizer: ids below 256 are plain bytes

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import random
 
+from base.plan import SamplingParams, SeqOutput, StepResult, WorkerInfo
 from bench.suite_cli import suite_main
 from bench.timing import median_seconds, print_table
 from control_plane.block_hash import extend_block_hashes
 from control_plane.block_pool import BlockPool
 from control_plane.kv_cache_manager import KVCacheManager
-from control_plane.plan import SamplingParams, SeqOutput, StepResult, WorkerInfo
 from control_plane.request import Request, Sequence
 from control_plane.scheduler import Scheduler
 from control_plane.scheduler_config import SchedulerConfig

@@ -21,9 +21,9 @@ import time
 
 import torch
 
+from base.plan import SamplingParams
 from bench.common import TimedWorker, engine_for, median
 from bench.suite_cli import suite_main
-from control_plane.plan import SamplingParams
 from worker.cpu_forward import PackedLinear
 from worker.worker import Worker
 from worker.worker_config import WorkerConfig

@@ -55,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from base.plan import ContinuingSequence, NewSequence, Plan, SamplingParams
 from bench.gpu_report import fmt, save, summary
 from bench.gpu_timing import (
     FLUSH_FACTOR,
@@ -70,7 +71,6 @@ from bench.gpu_timing import (
     rotation_copies,
 )
 from bench.report import commit
-from control_plane.plan import ContinuingSequence, NewSequence, Plan, SamplingParams
 
 RESULTS_DIR = Path(__file__).parent / "results"
 DEFAULT_BUDGET_S = 300.0

@@ -26,9 +26,9 @@ import math
 import random
 from pathlib import Path
 
+from base.plan import SamplingParams
 from bench.suite_cli import suite_main
 from control_plane.engine import EngineCore
-from control_plane.plan import SamplingParams
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.sim_worker import SimWorker
 from worker.worker import Worker

@@ -38,12 +38,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from base.plan import SamplingParams
 from bench.common import median, percentile, prompt
 from bench.paced_worker import PacedWorker
 from bench.process_stack import ProcessStack
 from bench.suite_cli import suite_main
 from control_plane.engine import EngineCore
-from control_plane.plan import SamplingParams
 from control_plane.scheduler_config import SchedulerConfig
 from pagedkv.client import AsyncClient, ClientError
 

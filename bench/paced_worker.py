@@ -29,9 +29,9 @@ import signal
 import time
 from pathlib import Path
 
-from control_plane.plan import Plan, StepResult
+from base.logs import LEVELS, configure_logging
+from base.plan import Plan, StepResult
 from control_plane.sim_worker import SimWorker
-from pagedkv.logs import LEVELS, configure_logging
 
 VOCAB = 256  # the byte prompts of bench.common.prompt; no tokenizer, so no text is decoded
 BLOCK_SIZE = 16

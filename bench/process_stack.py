@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from base.metrics import scrape
 from control_plane.scheduler_config import SchedulerConfig
 from pagedkv.client import Client
-from pagedkv.metrics import scrape
 
 START_TIMEOUT_S = 120.0
 EXECUTE = "pagedkv_worker_execute_duration_seconds"

@@ -12,9 +12,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from base.v1 import engine_pb2
 from bench.common import percentile
 from bench.soak_workload import Spec
-from pagedkv.v1 import engine_pb2
 
 FINISH = engine_pb2.FinishReason
 # Status codes a request of each kind may end with besides OK. INTERNAL and UNKNOWN are never
@@ -178,16 +178,17 @@ def stats_violations(s: engine_pb2.EngineStats, max_num_seqs: int) -> list[str]:
 
 def idle_violations(s: engine_pb2.EngineStats, info: engine_pb2.ModelInfo) -> list[str]:
     """After every request ended: nothing live, every block free. `num_blocks_total`
-    already excludes the null block 0, so free == total == ModelInfo.num_blocks - 1."""
+    already excludes the null block 0, so free == total == ModelInfo.facts.num_blocks - 1."""
     out = []
     if (s.num_running, s.num_waiting, s.num_live_requests) != (0, 0, 0):
         out.append(
             f"not idle after the drain: running={s.num_running} waiting={s.num_waiting} "
             f"live={s.num_live_requests}"
         )
-    if s.num_blocks_total != info.num_blocks - 1:
+    if s.num_blocks_total != info.facts.num_blocks - 1:
         out.append(
-            f"num_blocks_total {s.num_blocks_total} != ModelInfo.num_blocks - 1 = {info.num_blocks - 1}"
+            f"num_blocks_total {s.num_blocks_total} != "
+            f"ModelInfo.facts.num_blocks - 1 = {info.facts.num_blocks - 1}"
         )
     if s.num_blocks_free != s.num_blocks_total:
         out.append(f"block leak: {s.num_blocks_total - s.num_blocks_free} blocks still held when idle")

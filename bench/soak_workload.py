@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from pagedkv.v1 import engine_pb2
+from base.v1 import engine_pb2
 
 HUGE_STOP_ID = 300  # >= 128: two bytes per id on the wire, so the list is big but cheap to build
 PROFILES = ("mixed", "fanout")
@@ -40,11 +40,11 @@ class Geometry:
     @classmethod
     def from_model_info(cls, info: engine_pb2.ModelInfo) -> Geometry:
         return cls(
-            vocab_size=info.vocab_size,
-            block_size=info.block_size,
-            pool_tokens=min(info.max_model_len, (info.num_blocks - 1) * info.block_size),
+            vocab_size=info.facts.vocab_size,
+            block_size=info.facts.block_size,
+            pool_tokens=min(info.facts.max_model_len, (info.facts.num_blocks - 1) * info.facts.block_size),
             max_n=min(info.max_n, info.max_num_seqs),
-            eos_token_ids=tuple(info.eos_token_ids),
+            eos_token_ids=tuple(info.facts.eos_token_ids),
             max_beam_width=info.max_beam_width,
         )
 

@@ -30,14 +30,14 @@ import time
 
 import grpc
 
+from base.grpc_util import CHANNEL_OPTIONS, OWNER_METADATA_KEY
+from base.plan import ContinuingSequence, NewSequence, Plan, SamplingParams, StepResult
+from base.plan_codec import decode_result, encode_plan
+from base.v1 import worker_pb2_grpc
 from bench.common import decode_step_seconds, median
 from bench.suite_cli import suite_main
-from control_plane.plan import ContinuingSequence, NewSequence, Plan, SamplingParams, StepResult
-from control_plane.plan_codec import decode_result, encode_plan
 from control_plane.sim_worker import SimWorker
 from control_plane.worker_client import WorkerClient
-from pagedkv.grpc_util import CHANNEL_OPTIONS, OWNER_METADATA_KEY
-from pagedkv.v1 import worker_pb2_grpc
 from worker.service import WorkerServicer, create_worker_server
 from worker.worker import Worker
 from worker.worker_config import WorkerConfig

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 
+from base.plan import SamplingParams
 from bench.common import (
     TimedWorker,
     add_requests,
@@ -25,7 +26,6 @@ from bench.common import (
     prompt,
 )
 from bench.suite_cli import suite_main
-from control_plane.plan import SamplingParams
 from worker.worker import Worker
 from worker.worker_config import WorkerConfig
 

@@ -7,14 +7,15 @@ model (vocabulary, max length, pool size) is checked by the scheduler at admissi
 
 from __future__ import annotations
 
+from base.plan import KVLayout, SamplingParams, WorkerInfo
+from base.plan_codec import encode_facts
+from base.v1 import engine_pb2 as pb
 from control_plane import limits
 from control_plane.errors import InvalidRequestError
-from control_plane.plan import KVLayout, SamplingParams, WorkerInfo
 from control_plane.request import Usage
 from control_plane.request_stream import Chunk
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.stats import SequenceTable, StatsSnapshot
-from pagedkv.v1 import engine_pb2 as pb
 
 _GenerateResponse = pb.GenerateResponse
 
@@ -40,7 +41,7 @@ def decode_sampling(m: pb.SamplingParams) -> SamplingParams:
 
 
 def _early_stopping(value: int) -> str:
-    """EARLY_STOPPING_NEVER -> "never" (control_plane.beam_search.EARLY_STOPPING)."""
+    """EARLY_STOPPING_NEVER -> "never" (base.plan.EARLY_STOPPING)."""
     try:
         return pb.EarlyStopping.Name(value).removeprefix("EARLY_STOPPING_").lower()
     except ValueError:
@@ -131,24 +132,12 @@ def encode_block_table(request_id: str, block_size: int, tables: list[SequenceTa
 
 
 def encode_model_info(info: WorkerInfo, config: SchedulerConfig, max_model_len: int, max_running: int):
+    """The worker's facts with the server's max_model_len, and the control plane's limits."""
+    facts = encode_facts(info)
+    facts.max_model_len = max_model_len
     return pb.ModelInfo(
-        model_name=info.model_name,
-        architecture=info.architecture,
-        vocab_size=info.vocab_size,
-        max_model_len=max_model_len,
-        num_layers=info.num_layers,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        dtype=info.dtype,
-        block_size=info.block_size,
-        num_blocks=info.num_blocks,
-        bytes_per_block=info.bytes_per_block,
+        facts=facts,
         kv_cache_bytes=info.num_blocks * info.bytes_per_block,
-        device=info.device,
-        kv_layout=int(info.kv_layout),
-        tokenizer=info.tokenizer_kind or "none",
-        eos_token_ids=info.eos_token_ids,
-        worker_instance_id=info.instance_id,
         max_n=min(config.max_n, max_running),
         max_num_seqs=max_running,
         max_beam_width=min(config.max_n, max_running) if info.kv_layout == KVLayout.PAGED else 0,

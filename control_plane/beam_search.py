@@ -29,7 +29,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 _F32 = struct.Struct("f")
-EARLY_STOPPING = ("heuristic", "on", "never")  # HF's early_stopping False (default), True, "never"
 
 
 def f32(x: float) -> float:
@@ -78,7 +77,7 @@ class BeamSearch:
     length_penalty: float
     max_tokens: int
     stop_ids: Collection[int]
-    early_stopping: str = "heuristic"  # one of EARLY_STOPPING
+    early_stopping: str = "heuristic"  # one of base.plan.EARLY_STOPPING
     finished: list[Hypothesis] = field(default_factory=list)  # best first, at most `width`
     done: bool = False
 

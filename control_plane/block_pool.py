@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from control_plane.plan import NULL_BLOCK_ID
+from base.plan import NULL_BLOCK_ID
 
 
 class KVBlock:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import random
 
+from base.plan import SamplingParams
 from control_plane.engine import EngineCore
 from control_plane.invariants import check_all_free
-from control_plane.plan import SamplingParams
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.sim_worker import SimWorker, reference_tokens
 

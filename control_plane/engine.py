@@ -15,8 +15,8 @@ import os
 from collections import deque
 from typing import Protocol
 
+from base.plan import Plan, SamplingParams, StepResult, WorkerInfo
 from control_plane.invariants import check_plan, check_scheduler
-from control_plane.plan import Plan, SamplingParams, StepResult, WorkerInfo
 from control_plane.request import RequestOutput
 from control_plane.scheduler import Scheduler
 from control_plane.scheduler_config import SchedulerConfig

@@ -12,7 +12,7 @@ Overlap scheduling (the default): the loop keeps `EngineOptions.plans_in_flight`
 plans in flight. When result k arrives it runs `update(k)`, then
 plans and sends step k+2 -- the worker is busy with k+1 meanwhile -- and only then streams
 step k's tokens (text, stop strings). A decode whose last token is still on its way is
-planned with `feed_last_sample` (control_plane.plan); stops are therefore found one step late
+planned with `feed_last_sample` (base.plan); stops are therefore found one step late
 and the extra token is dropped in `update` (control_plane.scheduler_update). 3 in flight
 hides a transport round trip longer than a step (`--plans-in-flight 3`, for steps shorter
 than ~1 ms: docs/ARCHITECTURE.md). 1 in flight (`--no-overlap`) streams before planning: the
@@ -44,21 +44,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from base.logs import get_logger
+from base.plan import Plan, StepResult, WorkerInfo
+from base.tokenizer import Tokenizer, make_tokenizer
 from control_plane.engine_requests import EngineRequests
 from control_plane.errors import (
     EngineError,
     RequestNotFoundError,
     WorkerUnavailableError,
 )
-from control_plane.plan import Plan, StepResult, WorkerInfo
 from control_plane.request import FinishReason, RequestOutput
 from control_plane.request_stream import RequestStream, TokenTimings
 from control_plane.scheduler import Scheduler
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.stats import SequenceTable, StatsSnapshot
-from control_plane.tokenizer import Tokenizer, make_tokenizer
 from control_plane.worker_client import WorkerOwnedError
-from pagedkv.logs import get_logger
 
 log = get_logger("pagedkv.control")
 
@@ -80,7 +80,7 @@ class AsyncWorker(Protocol):
 
 
 class EngineObserver(Protocol):
-    """Receives the latencies the engine measures (pagedkv.metrics turns them into
+    """Receives the latencies the engine measures (base.metrics turns them into
     histograms). Called on the event loop thread; must not block."""
 
     def on_step(self, seconds: float) -> None: ...

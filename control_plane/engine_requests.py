@@ -13,6 +13,8 @@ import time
 import uuid
 from collections.abc import Sequence
 
+from base.logs import get_logger
+from base.plan import SamplingParams
 from control_plane import limits
 from control_plane.errors import (
     EngineError,
@@ -20,10 +22,8 @@ from control_plane.errors import (
     RequestNotFoundError,
     WorkerUnavailableError,
 )
-from control_plane.plan import SamplingParams
 from control_plane.request import FinishReason, RequestOutput
 from control_plane.request_stream import Chunk, RequestStream
-from pagedkv.logs import get_logger
 
 log = get_logger("pagedkv.control")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from base.plan import NULL_BLOCK_ID, Plan
 from control_plane.block_pool import BlockPool
-from control_plane.plan import NULL_BLOCK_ID, Plan
 from control_plane.request import SeqStatus
 
 

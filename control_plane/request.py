@@ -13,8 +13,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from base.plan import SamplingParams
 from control_plane.beam_search import BeamSearch
-from control_plane.plan import SamplingParams
 
 
 class FinishReason(enum.IntEnum):

@@ -19,9 +19,9 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from base.tokenizer import IncrementalDetokenizer, Tokenizer
 from control_plane.errors import EngineError
 from control_plane.request import FinishReason, RequestOutput, Usage
-from control_plane.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass(slots=True)

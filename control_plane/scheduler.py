@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 
+from base.plan import ContinuingSequence, KVLayout, NewSequence, Plan, SamplingParams, WorkerInfo
 from control_plane.beam_search import BeamSearch, num_candidates
 from control_plane.block_hash import extra_keys as make_extra_keys
 from control_plane.errors import (
@@ -38,7 +39,6 @@ from control_plane.errors import (
 )
 from control_plane.kv_cache_manager import Allocation, KVCacheManager
 from control_plane.limits import short
-from control_plane.plan import ContinuingSequence, KVLayout, NewSequence, Plan, SamplingParams, WorkerInfo
 from control_plane.request import FinishReason, Request, RequestOutput, SeqStatus, Sequence
 from control_plane.scheduler_beams import SchedulerBeams, to_compute
 from control_plane.scheduler_config import SchedulerConfig

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import heapq
 
+from base.plan import Plan
 from control_plane.beam_search import Beam, Continuation
 from control_plane.kv_cache_manager import KVCacheManager
-from control_plane.plan import Plan
 from control_plane.request import FinishReason, Request, RequestOutput, SeqStatus, Sequence, Usage
 
 

@@ -13,9 +13,9 @@ context, and its recompute includes it).
 
 from __future__ import annotations
 
+from base.plan import Plan, StepResult
 from control_plane.errors import RequestNotFoundError
 from control_plane.limits import short
-from control_plane.plan import Plan, StepResult
 from control_plane.request import FinishReason, Request, RequestOutput, SeqStatus, Sequence, Usage
 
 

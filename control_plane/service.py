@@ -19,15 +19,15 @@ import functools
 import grpc
 from grpc_health.v1 import health_pb2
 
+from base.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_and_start, set_serving
+from base.logs import get_logger
+from base.security import ServerSecurity
+from base.service_registry import add_service, checks_malformed, refuse_malformed
+from base.v1 import engine_pb2, engine_pb2_grpc
 from control_plane import api_codec
 from control_plane.engine_loop import AsyncEngine
 from control_plane.errors import EngineError, WorkerUnavailableError
 from control_plane.limits import MAX_ENGINE_MESSAGE_BYTES, check_request_id, short
-from pagedkv.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_and_start, set_serving
-from pagedkv.logs import get_logger
-from pagedkv.security import ServerSecurity
-from pagedkv.service_registry import add_service, checks_malformed, refuse_malformed
-from pagedkv.v1 import engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 # Health service name that is SERVING for as long as the server runs, whatever the worker
@@ -143,7 +143,7 @@ async def create_server(
     Returns (server, the bound address: "host:port" with the real port, or "unix:///path").
     Health ("" and the Engine service) is NOT_SERVING until the engine has connected to its
     worker, and again whenever the worker is lost; LIVENESS_SERVICE is SERVING throughout.
-    `security`: TLS and the token check (pagedkv.security); None = plaintext, open.
+    `security`: TLS and the token check (base.security); None = plaintext, open.
     Shut down with `await shutdown(server, engine, grace)`.
     """
     security = security or ServerSecurity()

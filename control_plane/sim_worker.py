@@ -19,8 +19,8 @@ import time
 from array import array
 from hashlib import blake2b
 
+from base.plan import NULL_BLOCK_ID, Plan, SeqOutput, StepResult, WorkerInfo
 from control_plane.beam_search import Beam
-from control_plane.plan import NULL_BLOCK_ID, Plan, SeqOutput, StepResult, WorkerInfo
 
 
 def sim_next_token(context: list[int], sample_index: int, vocab_size: int) -> int:

@@ -27,12 +27,12 @@ from collections.abc import Callable
 
 import grpc
 
+from base.grpc_util import CHANNEL_OPTIONS, OWNER_METADATA_KEY, normalize_address
+from base.plan import Plan, StepResult, WorkerInfo
+from base.plan_codec import decode_result, decode_worker_info, encode_plan
+from base.security import ClientSecurity
+from base.v1 import worker_pb2
 from control_plane.errors import EngineError, WorkerUnavailableError
-from control_plane.plan import Plan, StepResult, WorkerInfo
-from control_plane.plan_codec import decode_result, decode_worker_info, encode_plan
-from pagedkv.grpc_util import CHANNEL_OPTIONS, OWNER_METADATA_KEY, normalize_address
-from pagedkv.security import ClientSecurity
-from pagedkv.v1 import worker_pb2
 
 _SERVICE = "/pagedkv.v1.Worker/"
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -91,7 +91,7 @@ class WorkerClient:
         security: ClientSecurity | None = None,
         take_over: bool = False,
     ) -> None:
-        """`security`: TLS and the bearer token for a worker on TCP (pagedkv.security)."""
+        """`security`: TLS and the bearer token for a worker on TCP (base.security)."""
         self.target = normalize_address(target)
         self.step_timeout_s = step_timeout_s  # one plan, from writing it to reading its result
         self.rpc_timeout_s = rpc_timeout_s

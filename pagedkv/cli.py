@@ -17,26 +17,26 @@ import argparse
 import os
 import sys
 
-from pagedkv.cli_types import (  # argparse value types and flag groups, shared by every command
+from pagedkv.cli_flags import (  # argparse value types and flag groups, shared by every command
     INT32_MAX,
     INT32_MIN,
     UINT32_MAX,
     UINT64_MAX,
-    _add_client_security_flags,
-    _add_logging,
-    _add_shutdown_grace,
-    _block_size,
-    _count,
-    _DefaultsFormatter,
-    _int_in,
-    _interval,
-    _lifecycle_flags,
-    _num_blocks,
-    _port,
-    _positive,
-    _positive_seconds,
-    _seconds,
+    DefaultsFormatter,
+    add_client_security_flags,
+    add_control_limits,
+    add_lifecycle_flags,
+    add_logging_flags,
+    add_shutdown_grace_flag,
+    block_size_arg,
+    int_in,
+    non_negative_int,
+    num_blocks_arg,
     parse_bytes,
+    poll_interval,
+    port_number,
+    positive_int,
+    positive_seconds,
     token_id_list,
 )
 from pagedkv.openai_api.cli import add_openai_parser, add_serve_http_flags  # argparse only
@@ -49,12 +49,12 @@ RANDOM_PRESETS = ("default", "qwen3-small-fp32", "qwen2.5-0.5b", "qwen3-0.6b")
 
 
 def _add_metrics_flags(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--metrics-port", type=_port, help=f"serve {what} Prometheus /metrics on this port")
+    p.add_argument("--metrics-port", type=port_number, help=f"serve {what} Prometheus /metrics on this port")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
 
 
 def _add_server_security_flags(p: argparse.ArgumentParser, what: str) -> None:
-    """TLS, mutual TLS and the bearer token of a server (pagedkv.security; all off by default)."""
+    """TLS, mutual TLS and the bearer token of a server (base.security; all off by default)."""
     p.add_argument("--tls-cert", metavar="FILE", help=f"PEM certificate (chain): serve {what} over TLS")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     p.add_argument(
@@ -93,9 +93,13 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
         f"({', '.join(RANDOM_PRESETS)}) (default: the embedded tiny Qwen3, i.e. random:default)",
     )
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
-    p.add_argument("--block-size", type=_block_size, default=16, help="tokens per KV block, a power of two")
+    p.add_argument(
+        "--block-size", type=block_size_arg, default=16, help="tokens per KV block, a power of two"
+    )
     pool = p.add_mutually_exclusive_group()
-    pool.add_argument("--num-blocks", type=_num_blocks, help="KV pool size in blocks (incl. the null block)")
+    pool.add_argument(
+        "--num-blocks", type=num_blocks_arg, help="KV pool size in blocks (incl. the null block)"
+    )
     pool.add_argument(
         "--kv-cache-memory", type=parse_bytes, metavar="BYTES", help="KV budget, e.g. 268435456, 512Mi, 2G"
     )
@@ -103,7 +107,9 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
     p.add_argument(
         "--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto", help="weights dtype"
     )
-    p.add_argument("--max-model-len", type=_positive, help="cap on prompt + output tokens (default: model's)")
+    p.add_argument(
+        "--max-model-len", type=positive_int, help="cap on prompt + output tokens (default: model's)"
+    )
     p.add_argument("--no-cuda-graph", action="store_true", help="run decode eagerly (CUDA backend)")
     p.add_argument(
         "--cpu-kernels",
@@ -114,7 +120,7 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
     if not for_serve:  # serve derives it from --max-num-seqs
         p.add_argument(
             "--cuda-graph-max-batch-size",
-            type=_positive,
+            type=positive_int,
             default=64,
             help="largest decode batch captured as a CUDA graph; match the control plane's --max-num-seqs",
         )
@@ -122,55 +128,11 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences running at once")
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="tokens per step")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences running at once")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, help="tokens per step")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     p.add_argument(
         "--policy", choices=("throughput", "latency"), default="throughput", help="scheduling policy"
-    )
-
-
-# The control plane's limits and lifecycle: `serve` forwards these to its control child as is.
-CONTROL_LIMIT_FLAGS = (
-    "max_queue",
-    "max_n",
-    "worker_grace",
-    "step_timeout",
-    "step_liveness",
-    "no_overlap",
-    "plans_in_flight",
-)
-
-
-def _add_control_limits(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-queue", type=_positive, default=1024, help="waiting requests allowed")
-    p.add_argument("--max-n", type=_positive, default=16, help="largest n (parallel samples) accepted")
-    p.add_argument(
-        "--worker-grace", type=_seconds, default=5.0, help="seconds requests wait for a lost worker"
-    )
-    p.add_argument(
-        "--step-timeout", type=_positive_seconds, default=300.0, help="seconds one plan may take on a worker"
-    )
-    p.add_argument(
-        "--step-liveness",
-        type=_positive_seconds,
-        default=30.0,
-        metavar="SECONDS",
-        help="health turns NOT_SERVING while a step has been in flight longer than this (a hung worker)",
-    )
-    p.add_argument(
-        "--no-overlap",
-        action="store_true",
-        help="one plan in flight at a time (the strict loop): no planning of step k+1 while step k "
-        "runs; for comparison and debugging (docs/ARCHITECTURE.md)",
-    )
-    p.add_argument(
-        "--plans-in-flight",
-        type=int,
-        choices=(2, 3, 4),
-        default=2,
-        help="with overlap: plans sent ahead of the result awaited; 3 when a worker step is shorter "
-        "than the plan/result round trip (sub-millisecond GPU decode steps)",
     )
 
 
@@ -190,7 +152,7 @@ def _add_server_commands(sub) -> None:
     _add_worker_flags(w)
     _add_metrics_flags(w, "the worker's")
     _add_server_security_flags(w, "the Worker API")
-    _lifecycle_flags(w)
+    add_lifecycle_flags(w)
 
     c = sub.add_parser("control", help="run the control-plane process (public API)")
     c.add_argument(
@@ -203,12 +165,12 @@ def _add_server_commands(sub) -> None:
         help="attach even if another live control plane drives the worker (that one's plans are refused)",
     )
     _add_scheduler_flags(c)
-    c.add_argument("--max-model-len", type=_positive, help="cap below the worker's max length")
-    _add_control_limits(c)
+    c.add_argument("--max-model-len", type=positive_int, help="cap below the worker's max length")
+    add_control_limits(c)
     _add_metrics_flags(c, "the control plane's")
     _add_server_security_flags(c, "the Engine API")
-    _add_client_security_flags(c, "worker-", "a TCP worker")
-    _lifecycle_flags(c)
+    add_client_security_flags(c, "worker-", "a TCP worker")
+    add_lifecycle_flags(c)
 
     s = sub.add_parser(
         "serve",
@@ -224,7 +186,7 @@ def _add_server_commands(sub) -> None:
     )
     s.add_argument(
         "--port",
-        type=_port,
+        type=port_number,
         default=DEFAULT_PORT,
         help=f"public port (default {DEFAULT_PORT}; 0 = any free port)",
     )
@@ -232,31 +194,31 @@ def _add_server_commands(sub) -> None:
     _add_scheduler_flags(s)
     s.add_argument(
         "--metrics-port",
-        type=_port,
+        type=port_number,
         metavar="P",
         help="Prometheus /metrics: the control plane's on P, the worker's on P+1 (0: any free ports)",
     )
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of both metrics endpoints")
     _add_serve_security_flags(s)
     add_serve_http_flags(s)
-    _add_control_limits(s)
-    _add_shutdown_grace(s)  # both children
+    add_control_limits(s)
+    add_shutdown_grace_flag(s)  # both children
     s.add_argument(
         "--worker-restart-backoff",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=0.5,
         metavar="SECONDS",
         help="first delay before restarting a crashed worker; doubles per crash in a row up to 30 s",
     )
     s.add_argument(
         "--max-worker-restarts",
-        type=_count,
+        type=non_negative_int,
         metavar="N",
         help="exit 1 after N worker crashes in a row (default: unlimited; 0: never restart)",
     )
-    _add_logging(s)
+    add_logging_flags(s)
     for p in (w, c, s):
-        p.formatter_class = _DefaultsFormatter
+        p.formatter_class = DefaultsFormatter
 
 
 def _add_generate_command(sub) -> argparse.ArgumentParser:
@@ -274,17 +236,17 @@ def _add_generate_command(sub) -> argparse.ArgumentParser:
     prompt.add_argument("prompt", nargs="?", help="prompt text, tokenized by the server")
     prompt.add_argument("--token-ids", type=token_id_list, metavar="1,2,3", help="prompt as token ids")
     sampling = g.add_argument_group("sampling")
-    sampling.add_argument("--max-tokens", type=_int_in(1, UINT32_MAX), default=16, help="(default 16)")
+    sampling.add_argument("--max-tokens", type=int_in(1, UINT32_MAX), default=16, help="(default 16)")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1.0 = off)")
-    sampling.add_argument("--top-k", type=_int_in(0, UINT32_MAX), default=0, help="(default 0 = off)")
-    sampling.add_argument("--seed", type=_int_in(0, UINT64_MAX), help="(default: random)")
+    sampling.add_argument("--top-k", type=int_in(0, UINT32_MAX), default=0, help="(default 0 = off)")
+    sampling.add_argument("--seed", type=int_in(0, UINT64_MAX), help="(default: random)")
     sampling.add_argument(
-        "--n", type=_int_in(1, UINT32_MAX), default=1, help="parallel samples, or beams returned (default 1)"
+        "--n", type=int_in(1, UINT32_MAX), default=1, help="parallel samples, or beams returned (default 1)"
     )
     sampling.add_argument(
         "--beam-width",
-        type=_int_in(0, UINT32_MAX),
+        type=int_in(0, UINT32_MAX),
         default=0,
         help="beam search with this many beams (0/1 = off); greedy, with --n best beams printed at the end",
     )
@@ -311,7 +273,7 @@ def _add_generate_command(sub) -> argparse.ArgumentParser:
     request = g.add_argument_group("request")
     request.add_argument("--request-id", help="choose the request id (default: assigned by the server)")
     request.add_argument(
-        "--priority", type=_int_in(INT32_MIN, INT32_MAX), default=0, help="lower runs first (default 0)"
+        "--priority", type=int_in(INT32_MIN, INT32_MAX), default=0, help="lower runs first (default 0)"
     )
     request.add_argument(
         "--cache-salt", metavar="TEXT", help="isolate prefix-cache sharing to requests with this salt"
@@ -342,12 +304,12 @@ def _add_client_commands(sub) -> None:
     bt.add_argument("request_id")
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--watch", action="store_true", help="poll and print blocks as they are appended")
-    bt.add_argument("--interval", type=_interval, default=0.2, help="seconds between polls (default 0.2)")
+    bt.add_argument("--interval", type=poll_interval, default=0.2, help="seconds between polls (default 0.2)")
     mi = sub.add_parser("model-info", help="the served model and KV geometry")
     mi.add_argument("--json", action="store_true")
     for p in (g, st, bt, mi):
         p.add_argument("--server", default=DEFAULT_SERVER, help="HOST:PORT, unix:///path or dns:///name:port")
-        _add_client_security_flags(p)
+        add_client_security_flags(p)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ Targets: "host:port", "unix:///path/to.sock", "dns:///name:port" (every address 
 resolves to), or a list of "ip:port" addresses. Calls are spread over all resolved addresses
 with gRPC's own `round_robin` policy: scale-out across replicas needs no proxy.
 
-Security (off by default; see pagedkv.security): `tls_ca=` (the CA that signed the server's
+Security (off by default; see base.security): `tls_ca=` (the CA that signed the server's
 certificate) turns on TLS, `tls_cert=` + `tls_key=` add a client certificate for mutual TLS,
 `tls_server_name=` checks the certificate against that name instead of the target's host, and
 `auth_token=` / `auth_token_file=` send `authorization: Bearer <token>` with every call:
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedkv.grpc_util import CHANNEL_OPTIONS, normalize_address
-from pagedkv.security import ClientSecurity
-from pagedkv.v1 import engine_pb2, engine_pb2_grpc
+from base.grpc_util import CHANNEL_OPTIONS, normalize_address
+from base.security import ClientSecurity
+from base.v1 import engine_pb2, engine_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 _ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})

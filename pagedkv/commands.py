@@ -21,9 +21,9 @@ import time
 import grpc
 from google.protobuf import json_format
 
+from base.security import ClientSecurity
+from base.v1 import engine_pb2
 from pagedkv.client import Client, ClientError
-from pagedkv.security import ClientSecurity
-from pagedkv.v1 import engine_pb2
 
 
 def _to_json(msg) -> str:
@@ -218,7 +218,7 @@ _LATENCIES = (
 
 def _read_metrics(url: str) -> dict:
     """What the table adds from /metrics: counters and latency summaries (ValueError if unreadable)."""
-    from pagedkv.metrics import scrape, summarize_histogram
+    from base.metrics import scrape, summarize_histogram
 
     families = scrape(url)
     if "pagedkv_step_duration_seconds" not in families:
@@ -329,6 +329,7 @@ def cmd_model_info(args) -> int:
     if args.json:
         print(_to_json(info))
     else:
-        for field, value in json_format.MessageToDict(info, preserving_proto_field_name=True).items():
+        fields = json_format.MessageToDict(info, preserving_proto_field_name=True)
+        for field, value in {**fields.pop("facts", {}), **fields}.items():  # the facts, then the limits
             print(f"{field:<22}{value}")
     return 0

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from base.plan import SamplingParams
 from control_plane.engine import EngineCore
-from control_plane.plan import SamplingParams
 from control_plane.scheduler_config import SchedulerConfig
 
 

@@ -18,7 +18,7 @@ import os
 import signal
 from pathlib import Path
 
-from pagedkv.logs import configure_logging, get_logger
+from base.logs import configure_logging, get_logger
 
 
 def _write_ready_file(path: str | None, address: str, metrics=None) -> None:
@@ -36,7 +36,7 @@ def _start_metrics(args, make_metrics):
     """The MetricsServer for `--metrics-port`, or None when the flag is absent."""
     if args.metrics_port is None:
         return None
-    from pagedkv.metrics import serve_metrics
+    from base.metrics import serve_metrics
 
     return serve_metrics(make_metrics().registry, args.metrics_host, args.metrics_port)
 
@@ -44,7 +44,7 @@ def _start_metrics(args, make_metrics):
 def _server_security(args, log, name: str):
     """The listener's TLS / token from its flags (an unreadable file is a ValueError: exit 2),
     with a warning when the address is reachable from other machines without them."""
-    from pagedkv.security import ServerSecurity
+    from base.security import ServerSecurity
 
     security = ServerSecurity.from_args(args)
     warning = security.exposure_warning(args.listen)
@@ -84,7 +84,7 @@ def worker_config_from_args(args):
 
 
 async def _worker_main(args) -> int:
-    from pagedkv.metrics import WorkerMetrics
+    from base.metrics import WorkerMetrics
     from worker import Worker
     from worker.service import WorkerServicer, create_worker_server
 
@@ -150,11 +150,11 @@ def scheduler_config_from_args(args):
 
 
 async def _control_main(args) -> int:
+    from base.metrics import ControlPlaneMetrics
+    from base.security import ClientSecurity
     from control_plane.engine_loop import AsyncEngine, EngineOptions
     from control_plane.service import create_server, shutdown
     from control_plane.worker_client import WorkerClient
-    from pagedkv.metrics import ControlPlaneMetrics
-    from pagedkv.security import ClientSecurity
 
     log = get_logger("pagedkv.control")
     config = scheduler_config_from_args(args)

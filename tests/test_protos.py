@@ -1,6 +1,6 @@
 """The generated protocol code imports and round-trips a plan (make proto generated it)."""
 
-from pagedkv.v1 import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
+from base.v1 import engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 def test_worker_plan_round_trips():
@@ -23,3 +23,13 @@ def test_engine_request_carries_text_or_token_ids():
     assert list(req.token_ids) == [1, 2] and req.text == ""
     assert engine_pb2.FinishReason.Name(2) == "FINISH_REASON_LENGTH"
     assert hasattr(engine_pb2_grpc, "EngineStub")
+
+
+def test_old_stub_import_path_is_the_same_modules():
+    """`pagedkv.v1` (the path clients used before the stubs moved to the base layer) names the
+    very modules in `base.v1`: one descriptor each, so messages from either path interoperate."""
+    import pagedkv.v1.engine_pb2 as old_engine
+    from pagedkv.v1 import worker_pb2 as old_worker
+
+    assert old_engine is engine_pb2 and old_worker is worker_pb2
+    assert isinstance(old_engine.ModelInfo(), engine_pb2.ModelInfo)

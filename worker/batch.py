@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from control_plane.plan import NULL_BLOCK_ID
+from base.plan import NULL_BLOCK_ID
 
 
 @dataclass(slots=True, frozen=True)

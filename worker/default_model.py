@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from control_plane.tokenizer import ByteTokenizer
+from base.tokenizer import ByteTokenizer
 from worker.model import CausalLM
 from worker.model_config import MODEL_NAME_KEY, TOKENIZER_HINT_KEY, parse_model_config
 

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from control_plane.plan import KVLayout
+from base.plan import KVLayout
 from worker.backends.base import AttentionBackend
 from worker.backends.cpu import CpuAttentionBackend, attention_over_context
 from worker.batch import AttentionMetadata, blocks_needed

@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from control_plane.plan import NULL_BLOCK_ID, ContinuingSequence, NewSequence, Plan
+from base.plan import NULL_BLOCK_ID, ContinuingSequence, NewSequence, Plan
 from worker.errors import PlanError
 from worker.sequence_mirror import SequenceMirror, SequenceMirrors
 

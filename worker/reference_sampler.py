@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from control_plane.plan import SamplingParams
+from base.plan import SamplingParams
 from worker.sampler import SampledTokens, SamplingRow, sample_uniforms
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from control_plane.plan import SamplingParams
+from base.plan import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

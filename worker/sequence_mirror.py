@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from control_plane.plan import ContinuingSequence, NewSequence, SamplingParams
+from base.plan import ContinuingSequence, NewSequence, SamplingParams
 
 
 @dataclass(slots=True)

@@ -32,19 +32,19 @@ from typing import Protocol
 
 import grpc
 
-from control_plane.plan import Plan, StepResult, WorkerInfo
-from control_plane.plan_codec import decode_plan, encode_result, encode_worker_info
-from pagedkv.grpc_util import (
+from base.grpc_util import (
     OWNER_METADATA_KEY,
     SERVER_OPTIONS,
     add_health_and_reflection,
     bind_and_start,
     set_serving,
 )
-from pagedkv.logs import get_logger
-from pagedkv.security import ServerSecurity
-from pagedkv.service_registry import MalformedRequest, add_service, checks_malformed
-from pagedkv.v1 import worker_pb2, worker_pb2_grpc
+from base.logs import get_logger
+from base.plan import Plan, StepResult, WorkerInfo
+from base.plan_codec import decode_plan, encode_result, encode_worker_info
+from base.security import ServerSecurity
+from base.service_registry import MalformedRequest, add_service, checks_malformed
+from base.v1 import worker_pb2, worker_pb2_grpc
 from worker.owner_lease import LeaseHeldError, OwnerLease
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -97,7 +97,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def set_execute_observer(self, observe: Callable[[float, StepResult], None] | None) -> None:
         """`observe(seconds, result)` is called on the step thread after every plan
-        (pagedkv.metrics)."""
+        (base.metrics)."""
         self._observe_execute = observe
 
     @property
@@ -306,7 +306,7 @@ async def create_worker_server(
 
     Returns (server, the bound address: "host:port" with the real port, or "unix:///path").
     Health is SERVING only if the servicer already holds a worker; otherwise `servicer.load()`
-    flips it. `security`: TLS and the token check (pagedkv.security), for a TCP listener; None =
+    flips it. `security`: TLS and the token check (base.security), for a TCP listener; None =
     plaintext, open. Stop with `await server.stop(grace)`, then `servicer.close()`.
     """
     security = security or ServerSecurity()

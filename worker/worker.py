@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from control_plane.plan import KVLayout, Plan, SeqOutput, StepResult, WorkerInfo
+from base.logs import get_logger
+from base.plan import KVLayout, Plan, SeqOutput, StepResult, WorkerInfo
 from kernels.driver import KernelLoadError
 from kernels.nvrtc import KernelCompileError
 from kernels.specs import AttentionGeometry
-from pagedkv.logs import get_logger
 from worker.backends import get_backend
 from worker.batch import ScheduledSequence, build_model_inputs
 from worker.cpu_forward import FastCpuForward, fast_forward_unavailable

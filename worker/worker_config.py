@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from control_plane.plan import KVLayout
+from base.plan import KVLayout
 from worker.default_model import default_model_dir, ensure_random_model
 from worker.errors import ModelLoadError, WorkerConfigError
 from worker.model_config import SUPPORTED_DTYPES

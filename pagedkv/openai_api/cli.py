@@ -20,7 +20,12 @@ import os
 import sys
 from pathlib import Path
 
-from pagedkv.cli_types import _add_client_security_flags, _lifecycle_flags, _port
+from pagedkv.cli_flags import (
+    add_client_security_flags,
+    add_lifecycle_flags,
+    own_tls_server_name,
+    port_number,
+)
 
 DEFAULT_ENGINE = os.environ.get("PAGEDKV_SERVER", "127.0.0.1:50051")
 DEFAULT_HTTP_PORT = 8000
@@ -40,7 +45,7 @@ def add_openai_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--engine", default=DEFAULT_ENGINE, help="the Engine's address (HOST:PORT, unix:///path)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen host")
     p.add_argument(
-        "--port", type=_port, default=DEFAULT_HTTP_PORT, help="HTTP listen port (0: any free port)"
+        "--port", type=port_number, default=DEFAULT_HTTP_PORT, help="HTTP listen port (0: any free port)"
     )
     p.add_argument("--model", metavar="DIR", help="the served checkpoint dir: its chat template (and name)")
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template (instead of the model dir's)")
@@ -48,11 +53,11 @@ def add_openai_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate: serve HTTPS")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", metavar="FILE", help="HTTPS with client certificates signed by this CA")
-    _add_client_security_flags(p, prefix="engine-", what="the Engine")
+    add_client_security_flags(p, prefix="engine-", what="the Engine")
     p.add_argument(
         "--engine-tls-server-name", metavar="NAME", help="name to verify in the Engine's certificate"
     )
-    _lifecycle_flags(p)
+    add_lifecycle_flags(p)
     return p
 
 
@@ -60,7 +65,7 @@ def add_serve_http_flags(s: argparse.ArgumentParser) -> None:
     """`serve`'s flags for the front (none given: no HTTP)."""
     s.add_argument(
         "--http-port",
-        type=_port,
+        type=port_number,
         metavar="P",
         help="also run the OpenAI-compatible HTTP front on P (0: any free port); default: no HTTP",
     )
@@ -70,9 +75,9 @@ def add_serve_http_flags(s: argparse.ArgumentParser) -> None:
 
 def build_front(args):
     """The Front and the uvicorn.Config for parsed `openai` flags (ValueError: bad flags/files)."""
-    from pagedkv.openai_api.app import Front
+    from base.security import ClientSecurity, read_token
     from pagedkv.openai_api.chat_template import load_chat_template
-    from pagedkv.security import ClientSecurity, read_token
+    from pagedkv.openai_api.front import Front
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("HTTPS needs both --tls-cert and --tls-key")
@@ -110,7 +115,7 @@ def uvicorn_config(app, args):
         app,
         host=args.host,
         port=args.port,
-        log_config=None,  # uvicorn's records go through pagedkv.logs like every other line
+        log_config=None,  # uvicorn's records go through base.logs like every other line
         access_log=False,
         timeout_graceful_shutdown=args.shutdown_grace,
         **tls,
@@ -133,7 +138,7 @@ async def _serve(server, args) -> None:
 
 
 def run_openai(args) -> int:
-    from pagedkv.logs import configure_logging, get_logger
+    from base.logs import configure_logging, get_logger
     from pagedkv.supervisor import die_with_parent
 
     die_with_parent()
@@ -167,8 +172,6 @@ def run_openai(args) -> int:
 def serve_child_command(args, engine_address: str, ready_file: Path) -> list[str]:
     """The `pagedkv openai` command line `serve` runs: its model dir, chat template, TLS files
     and token on the HTTP side, and the same ones as a client of its own Engine port."""
-    from pagedkv.serve import _tls_server_name
-
     cmd = [sys.executable, "-m", "pagedkv.cli", "openai", "--engine", engine_address]
     cmd += [
         "--host",
@@ -186,7 +189,7 @@ def serve_child_command(args, engine_address: str, ready_file: Path) -> list[str
     if args.tls_cert:
         cmd += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
         cmd += ["--engine-tls-ca", args.tls_ca or args.tls_cert]
-        name = _tls_server_name(args)
+        name = own_tls_server_name(args)
         if name:
             cmd += ["--engine-tls-server-name", name]
         if args.tls_client_ca:

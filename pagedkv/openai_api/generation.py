@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from base.v1 import engine_pb2
 from pagedkv.client import AsyncClient, ClientError
 from pagedkv.openai_api.errors import ApiError, from_client_error
-from pagedkv.v1 import engine_pb2
 
 _DONE = object()
 

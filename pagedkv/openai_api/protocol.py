@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
+from base.v1 import engine_pb2
 from pagedkv.openai_api.errors import bad_request, unsupported
-from pagedkv.v1 import engine_pb2
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the gRPC API's default is greedy)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
+from base.v1 import engine_pb2
 from pagedkv.openai_api.generation import ChoiceOutput, token_texts
-from pagedkv.v1 import engine_pb2
 
 _FINISH = {
     engine_pb2.FINISH_REASON_STOP: "stop",

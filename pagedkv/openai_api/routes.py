@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from base.v1 import engine_pb2
 from pagedkv.client import ClientError
-from pagedkv.openai_api.app import Front
 from pagedkv.openai_api.chat_template import template_for
 from pagedkv.openai_api.errors import ApiError, bad_request
+from pagedkv.openai_api.front import Front
 from pagedkv.openai_api.generation import EngineStreams, UsageTotals, build_requests, collect
 from pagedkv.openai_api.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -34,7 +35,6 @@ from pagedkv.openai_api.streaming import (
     sse_event,
     until_disconnect,
 )
-from pagedkv.v1 import engine_pb2
 
 router = APIRouter()
 health_router = APIRouter()
@@ -63,11 +63,11 @@ async def list_models(request: Request) -> dict:
     front = _front(request)
     info = await front.model_info()
     card = {
-        "id": info.model_name,
+        "id": info.facts.model_name,
         "object": "model",
         "created": front.started,
         "owned_by": "pagedkv",
-        "max_model_len": info.max_model_len,
+        "max_model_len": info.facts.max_model_len,
     }
     return {"object": "list", "data": [card]}
 
@@ -110,7 +110,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     body.check_refused()
     front = _front(request)
     info, model = await front.resolve_model(body.model)
-    template = template_for(front.chat_template, info.tokenizer)
+    template = template_for(front.chat_template, info.facts.tokenizer_kind)
     prompt = template.render(body.template_messages(), body.add_generation_prompt, body.chat_template_kwargs)
     want_logprobs, top = body.logprobs_mode()
     max_tokens = body.requested_max_tokens()
@@ -137,10 +137,10 @@ def default_chat_max_tokens(info: engine_pb2.ModelInfo, prompt: str) -> int:
     the prompt's tokens from above: its UTF-8 bytes (exact for the byte tokenizer), + 1 for a
     Hugging Face tokenizer (each token covers at least one byte; a prefix-space token may be
     added). What fits: the model's max length, and in a paged pool its blocks."""
-    prompt_bound = len(prompt.encode("utf-8")) + (0 if info.tokenizer == "byte" else 1)
-    limit = info.max_model_len
-    if info.kv_layout == engine_pb2.KV_LAYOUT_PAGED:
-        limit = min(limit, (info.num_blocks - 1) * info.block_size)
+    prompt_bound = len(prompt.encode("utf-8")) + (0 if info.facts.tokenizer_kind == "byte" else 1)
+    limit = info.facts.max_model_len
+    if info.facts.kv_layout == engine_pb2.KV_LAYOUT_PAGED:
+        limit = min(limit, (info.facts.num_blocks - 1) * info.facts.block_size)
     room = limit - prompt_bound
     if room < 1:
         raise bad_request(

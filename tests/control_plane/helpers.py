@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from base.plan import SamplingParams
 from control_plane.engine import EngineCore
-from control_plane.plan import SamplingParams
 from control_plane.request import Request, Sequence
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.sim_worker import SimWorker

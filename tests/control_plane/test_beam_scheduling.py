@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from base.plan import SamplingParams
 from control_plane.beam_search import BeamSearch
 from control_plane.engine import EngineCore
 from control_plane.invariants import check_all_free
-from control_plane.plan import SamplingParams
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.sim_worker import SimWorker, reference_beams, reference_tokens
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from base.plan import Plan, SamplingParams, StepResult
 from control_plane.engine_loop import AsyncEngine, EngineOptions
-from control_plane.plan import Plan, SamplingParams, StepResult
 from control_plane.request import FinishReason
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.sim_worker import SimWorker

@@ -4,9 +4,9 @@ produce exactly the reference tokens, and leak nothing."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from base.plan import SamplingParams
 from control_plane.invariants import check_all_free, check_plan, check_pool, check_scheduler
 from control_plane.kv_cache_manager import KVCacheManager
-from control_plane.plan import SamplingParams
 from control_plane.sim_worker import reference_tokens
 from tests.control_plane.helpers import make_engine, make_seq
 

@@ -3,6 +3,7 @@ through the paged KV: tokens equal `reference_tokens` only if paging is right.""
 
 import pytest
 
+from base.plan import SamplingParams
 from control_plane.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -10,7 +11,6 @@ from control_plane.errors import (
     ResourceExhaustedError,
 )
 from control_plane.invariants import check_all_free, check_scheduler
-from control_plane.plan import SamplingParams
 from control_plane.request import FinishReason
 from control_plane.sim_worker import reference_tokens
 from tests.control_plane.helpers import make_engine

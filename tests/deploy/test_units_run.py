@@ -107,16 +107,16 @@ def test_units_command_lines_serve_a_generation(unit_env, tmp_path):
         control = _start_unit("pagedkv-control.service", env, tmp_path / "control.log")
         with Client(env["PAGEDKV_LISTEN"], timeout=60) as client:
             info = client.model_info()
-            assert info.kv_cache_bytes <= 4 * 2**20 and info.num_blocks > 1
+            assert info.kv_cache_bytes <= 4 * 2**20 and info.facts.num_blocks > 1
             (c,) = client.complete("Hello, orin", max_tokens=8, ignore_eos=True)
             assert len(c.token_ids) == 8 and c.finish_reason == "LENGTH"
             stats = client.stats()
-        assert stats.num_blocks_free == stats.num_blocks_total == info.num_blocks - 1
+        assert stats.num_blocks_free == stats.num_blocks_total == info.facts.num_blocks - 1
         control_url = f"http://127.0.0.1:{env['PAGEDKV_METRICS_PORT']}/metrics"
         worker_url = f"http://127.0.0.1:{env['PAGEDKV_WORKER_METRICS_PORT']}/metrics"
         assert _metric(control_url, "pagedkv_generation_tokens_total") == 8
-        assert _metric(control_url, "pagedkv_kv_blocks_total") == info.num_blocks - 1
-        assert _metric(worker_url, "pagedkv_worker_kv_blocks") == info.num_blocks
+        assert _metric(control_url, "pagedkv_kv_blocks_total") == info.facts.num_blocks - 1
+        assert _metric(worker_url, "pagedkv_worker_kv_blocks") == info.facts.num_blocks
         assert _metric(worker_url, "pagedkv_worker_execute_duration_seconds_count") >= 8
         assert _stop(control) == 0  # TimeoutStopSec= would SIGKILL otherwise
         assert _stop(worker) == 0

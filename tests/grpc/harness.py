@@ -36,7 +36,7 @@ class Stack:
         security=None,
         client_kwargs: dict | None = None,
     ) -> None:
-        """`security`: the Engine server's pagedkv.security.ServerSecurity; `client_kwargs`: what
+        """`security`: the Engine server's base.security.ServerSecurity; `client_kwargs`: what
         `self.client` needs to pass it (tls_ca=..., auth_token=...)."""
         # A short private directory: Unix socket paths are limited to ~107 bytes.
         self._sockdir = tempfile.mkdtemp(prefix="pkv-")

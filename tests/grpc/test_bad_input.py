@@ -9,13 +9,13 @@ import time
 import grpc
 import pytest
 
+from base.logs import _escape_control_characters
+from base.plan import SamplingParams
 from control_plane.engine_loop import AsyncEngine, EngineOptions
 from control_plane.limits import MAX_STOP_TOKEN_IDS
-from control_plane.plan import SamplingParams
 from control_plane.service import create_server
 from control_plane.sim_worker import reference_tokens
 from pagedkv.client import ClientError
-from pagedkv.logs import _escape_control_characters
 from tests.grpc.conftest import VOCAB, ScriptedWorker
 from tests.grpc.harness import in_thread
 from worker.service import WorkerServicer, create_worker_server

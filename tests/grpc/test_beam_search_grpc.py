@@ -11,10 +11,10 @@ import time
 import grpc
 import pytest
 
+from base.v1 import engine_pb2
 from control_plane.beam_search import BeamSearch, f32
 from control_plane.sim_worker import reference_beams
 from pagedkv.client import ClientError, build_request
-from pagedkv.v1 import engine_pb2
 from tests.grpc.conftest import VOCAB
 from tests.grpc.harness import TIMEOUT_S, Stack
 

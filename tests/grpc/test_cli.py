@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import pytest
@@ -56,7 +57,9 @@ def test_stats_block_table_and_model_info(stack, capsys):
     code, out, _ = run(capsys, "stats", "--server", stack.address, "--json")
     assert json.loads(out)["num_blocks_total"] == 63
     code, out, _ = run(capsys, "model-info", "--server", stack.address, "--json")
-    assert json.loads(out)["block_size"] == 16
+    assert json.loads(out)["facts"]["block_size"] == 16
+    code, out, _ = run(capsys, "model-info", "--server", stack.address)
+    assert code == 0 and re.search(r"^block_size +16$", out, re.M) and re.search(r"^max_n +\d+$", out, re.M)
 
     stack.worker.gate.clear()
     it = stack.client.generate(token_ids=list(range(1, 40)), max_tokens=5, request_id="live")
@@ -159,14 +162,14 @@ def test_serve_help_states_the_port_and_the_default_model(capsys):
 
 
 def _message(token_ids, text="", finish=0):
-    from pagedkv.v1 import engine_pb2
+    from base.v1 import engine_pb2
 
     return engine_pb2.GenerateResponse(token_ids=token_ids, text=text, finish_reason=finish)
 
 
 def test_text_piece_marks_silent_tokens_and_never_a_trimmed_stop_token():
+    from base.v1 import engine_pb2
     from pagedkv.commands import ids_piece, text_piece
-    from pagedkv.v1 import engine_pb2
 
     stop, length = engine_pb2.FINISH_REASON_STOP, engine_pb2.FINISH_REASON_LENGTH
     assert text_piece(_message([72], "H")) == "H"

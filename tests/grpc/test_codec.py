@@ -7,9 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane import api_codec
-from control_plane.errors import InvalidRequestError
-from control_plane.plan import (
+from base.plan import (
+    MODEL_FACT_FIELDS,
     ContinuingSequence,
     KVLayout,
     NewSequence,
@@ -19,7 +18,7 @@ from control_plane.plan import (
     StepResult,
     WorkerInfo,
 )
-from control_plane.plan_codec import (
+from base.plan_codec import (
     decode_plan,
     decode_result,
     decode_worker_info,
@@ -27,7 +26,9 @@ from control_plane.plan_codec import (
     encode_result,
     encode_worker_info,
 )
-from pagedkv.v1 import engine_pb2, worker_pb2
+from base.v1 import engine_pb2, worker_pb2
+from control_plane import api_codec
+from control_plane.errors import InvalidRequestError
 
 u32 = st.integers(0, 2**32 - 1)
 u64 = st.integers(0, 2**64 - 1)
@@ -38,8 +39,8 @@ f32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
 sampling = st.builds(
     SamplingParams,
     max_tokens=u32,
-    temperature=f64,
-    top_p=f64,
+    temperature=f32,  # float32 on the wire, as in the public SamplingParams
+    top_p=f32,
     top_k=u32,
     seed=st.none() | u64,
     stop_token_ids=st.lists(u32, max_size=3).map(tuple),
@@ -123,6 +124,18 @@ def test_worker_info_round_trips_exactly():
     assert decode_worker_info(_wire(encode_worker_info(info))) == info
 
 
+def test_model_facts_are_said_once():
+    """ModelInfo and WorkerInfo both carry the one ModelFacts message, which the dataclass
+    mirrors field for field: a fact added to one and not the other fails here."""
+    proto_fields = [f.name for f in engine_pb2.ModelFacts.DESCRIPTOR.fields]
+    assert proto_fields == list(MODEL_FACT_FIELDS)
+    assert engine_pb2.ModelInfo.DESCRIPTOR.fields_by_name["facts"].message_type.name == "ModelFacts"
+    assert worker_pb2.WorkerInfo.DESCRIPTOR.fields_by_name["facts"].message_type.name == "ModelFacts"
+    assert sorted(f.name for f in worker_pb2.WorkerInfo.DESCRIPTOR.fields) == ["facts", "tokenizer_json"]
+    sampling = worker_pb2.NewSequence.DESCRIPTOR.fields_by_name["sampling"].message_type
+    assert sampling is engine_pb2.SamplingParams.DESCRIPTOR  # no worker-only shadow
+
+
 def test_plan_carries_the_instance_guard():
     m = encode_plan(Plan(step_id=1), expected_instance_id="w-1")
     assert _wire(m).expected_instance_id == "w-1"
@@ -130,7 +143,7 @@ def test_plan_carries_the_instance_guard():
 
 def test_unknown_kv_layout_is_rejected():
     with pytest.raises(ValueError, match="unknown KV layout"):
-        decode_worker_info(worker_pb2.WorkerInfo(kv_layout=0))
+        decode_worker_info(worker_pb2.WorkerInfo(facts=engine_pb2.ModelFacts(kv_layout=0)))
 
 
 # -- public API ---------------------------------------------------------------------------

@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from base.v1 import engine_pb2
 from control_plane.sim_worker import reference_tokens
 from pagedkv.client import ClientError
-from pagedkv.v1 import engine_pb2
 from tests.grpc.conftest import VOCAB
 
 OK_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -26,7 +26,7 @@ def _still_healthy(stack) -> None:
     (c,) = stack.client.complete(token_ids=OK_PROMPT, max_tokens=6)
     assert c.token_ids == reference_tokens(OK_PROMPT, 0, 6, VOCAB)
     stats = stack.wait_idle()
-    assert stats.num_blocks_free == stack.client.model_info().num_blocks - 1
+    assert stats.num_blocks_free == stack.client.model_info().facts.num_blocks - 1
 
 
 BAD = grpc.StatusCode.INVALID_ARGUMENT

@@ -17,16 +17,16 @@ from collections import defaultdict
 import grpc
 import pytest
 
+from base.grpc_util import OWNER_METADATA_KEY
+from base.plan import Plan, SamplingParams
+from base.plan_codec import decode_result, encode_plan
+from base.service_registry import checks_malformed
+from base.v1 import worker_pb2_grpc
 from control_plane.errors import WorkerUnavailableError
-from control_plane.plan import Plan, SamplingParams
-from control_plane.plan_codec import decode_result, encode_plan
 from control_plane.scheduler import Scheduler
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.sim_worker import reference_tokens
 from control_plane.worker_client import WorkerClient, WorkerRestartedError, WorkerStepError
-from pagedkv.grpc_util import OWNER_METADATA_KEY
-from pagedkv.service_registry import checks_malformed
-from pagedkv.v1 import worker_pb2_grpc
 from tests.grpc.conftest import VOCAB, ScriptedWorker
 from worker.service import WorkerServicer, create_worker_server
 

@@ -15,14 +15,14 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedkv.cli import main
-from pagedkv.metrics import (
+from base.metrics import (
     ControlPlaneMetrics,
     WorkerMetrics,
     gpu_memory_allocated_bytes,
     serve_metrics,
     summarize_histogram,
 )
+from pagedkv.cli import main
 from pagedkv.serve import child_commands, worker_metrics_port
 
 PROMPT = list(range(1, 21))  # 20 tokens: one full block of 16 and a partial one

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from base.v1 import engine_pb2
 from control_plane.engine_loop import EngineOptions
 from control_plane.sim_worker import reference_tokens
-from pagedkv.v1 import engine_pb2
 from tests.grpc.conftest import VOCAB
 from tests.grpc.harness import in_thread
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from base.plan import Plan, SamplingParams
 from control_plane.engine_loop import AsyncEngine, EngineOptions
 from control_plane.errors import WorkerUnavailableError
-from control_plane.plan import Plan, SamplingParams
 from control_plane.sim_worker import reference_tokens
 from control_plane.worker_client import WorkerClient, WorkerOwnedError, WorkerRestartedError
 from pagedkv.client import ClientError

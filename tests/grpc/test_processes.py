@@ -75,13 +75,13 @@ def test_worker_and_control_processes_over_a_unix_socket(sockdir, tmp_path):
         with Client(address, timeout=60) as client:
             client.wait_ready(START_TIMEOUT_S)
             info = client.model_info()
-            assert (info.num_blocks, info.block_size, info.device) == (256, 16, "cpu")
+            assert (info.facts.num_blocks, info.facts.block_size, info.facts.device) == (256, 16, "cpu")
             (c,) = client.complete("Hello, pagedkv", max_tokens=12, ignore_eos=True)
             assert len(c.token_ids) == 12 and c.finish_reason == "LENGTH"
             again = client.complete(token_ids=list(b"Hello, pagedkv"), max_tokens=12, ignore_eos=True)
             assert again[0].token_ids == c.token_ids  # greedy, same prompt, through the prefix cache
             s = client.stats()
-            assert s.num_blocks_free == info.num_blocks - 1 and s.num_finished_requests == 2
+            assert s.num_blocks_free == info.facts.num_blocks - 1 and s.num_finished_requests == 2
 
             # The worker dies (kill -9) and comes back on the same socket: a new instance.
             worker.kill()
@@ -91,10 +91,10 @@ def test_worker_and_control_processes_over_a_unix_socket(sockdir, tmp_path):
             assert e.value.code == grpc.StatusCode.UNAVAILABLE
             worker = _start_worker(sockdir, tmp_path, "worker2")
             client.wait_ready(START_TIMEOUT_S)
-            assert client.model_info().worker_instance_id != info.worker_instance_id
+            assert client.model_info().facts.instance_id != info.facts.instance_id
             (d,) = client.complete("Hello, pagedkv", max_tokens=12, ignore_eos=True)
             assert d.token_ids == c.token_ids
-            assert client.stats().num_blocks_free == info.num_blocks - 1
+            assert client.stats().num_blocks_free == info.facts.num_blocks - 1
         assert _stop(control) == 0
         assert _stop(worker) == 0
     finally:

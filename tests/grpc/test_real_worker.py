@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
+from base.plan import SamplingParams
 from control_plane.engine import EngineCore
-from control_plane.plan import SamplingParams
 from control_plane.scheduler_config import SchedulerConfig
 
 PROMPTS = {

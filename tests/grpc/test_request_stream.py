@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from base.tokenizer import ByteTokenizer
 from control_plane.request import FinishReason, RequestOutput, Usage
 from control_plane.request_stream import RequestStream
-from control_plane.tokenizer import ByteTokenizer
 
 
 def _feed(stream: RequestStream, text: str, finish_at_end: bool = True):

@@ -1,4 +1,4 @@
-"""TLS, mutual TLS and the bearer token (pagedkv.security) on real servers over loopback TCP.
+"""TLS, mutual TLS and the bearer token (base.security) on real servers over loopback TCP.
 
 Certificates come from tests/grpc/pki.py (the `openssl` CLI; skipped, saying so, without it).
 The OS processes (`pagedkv serve`, worker + control over TCP) are in test_security_processes.py.
@@ -12,12 +12,12 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from control_plane.plan import Plan
+from base.plan import Plan
+from base.security import ClientSecurity, ServerSecurity, TokenAuthInterceptor, read_token
 from control_plane.sim_worker import SimWorker
 from control_plane.worker_client import WorkerClient, WorkerStepError
 from pagedkv.cli import build_parser, main
 from pagedkv.client import AsyncClient, Client, ClientError
-from pagedkv.security import ClientSecurity, ServerSecurity, TokenAuthInterceptor, read_token
 from pagedkv.serve import child_commands, security_hints
 from tests.grpc.conftest import ScriptedWorker
 from tests.grpc.harness import TIMEOUT_S, Stack

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from base.security import ServerSecurity
 from pagedkv.client import Client
-from pagedkv.security import ServerSecurity
 from tests.grpc.conftest import ScriptedWorker
 from tests.grpc.harness import Stack
 from tests.grpc.pki import TOKEN, make_pki

@@ -10,9 +10,9 @@ import time
 import grpc
 import pytest
 
+from base.v1 import engine_pb2
 from control_plane.sim_worker import reference_tokens
 from pagedkv.client import AsyncClient, ClientError
-from pagedkv.v1 import engine_pb2
 from tests.grpc.conftest import VOCAB
 
 PROMPT = [7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5, 2, 3, 5, 3, 6]  # 20 tokens: 2 blocks
@@ -131,12 +131,12 @@ def test_block_table_of_a_live_request_shows_paging(make_stack):
 
 def test_stats_and_model_info_report_the_pool(stack):
     info = stack.client.model_info()
-    assert (info.num_blocks, info.block_size, info.vocab_size) == (64, 16, VOCAB)
-    assert info.kv_layout == engine_pb2.KV_LAYOUT_PAGED and info.tokenizer == "byte"
+    assert (info.facts.num_blocks, info.facts.block_size, info.facts.vocab_size) == (64, 16, VOCAB)
+    assert info.facts.kv_layout == engine_pb2.KV_LAYOUT_PAGED and info.facts.tokenizer_kind == "byte"
     stack.client.complete(token_ids=PROMPT, max_tokens=4)
     stack.client.complete(token_ids=PROMPT, max_tokens=4)
     s = stack.wait_idle()
-    assert s.num_blocks_free == s.num_blocks_total == info.num_blocks - 1
+    assert s.num_blocks_free == s.num_blocks_total == info.facts.num_blocks - 1
     assert s.prefix_cache_hits >= 16 and 0 < s.prefix_cache_hit_rate < 1
     assert s.num_finished_requests == 2 and s.worker_available
 

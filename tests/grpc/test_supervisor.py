@@ -152,16 +152,16 @@ def test_serve_restarts_a_killed_worker_and_serves_the_same_tokens(tmp_path):
     try:
         with Client(address, timeout=START_TIMEOUT_S) as client:
             before = client.complete(token_ids=[5, 6, 7, 8], max_tokens=12, ignore_eos=True)[0].token_ids
-            instance = client.model_info().worker_instance_id
+            instance = client.model_info().facts.instance_id
             old = _child(proc.pid, "worker")
             os.kill(old, signal.SIGKILL)
             new = _wait_for(lambda: (pid := _child(proc.pid, "worker")) != old and pid, "a new worker")
-            _wait_for(lambda: client.model_info().worker_instance_id != instance, "the new worker attached")
+            _wait_for(lambda: client.model_info().facts.instance_id != instance, "the new worker attached")
             client.wait_ready(START_TIMEOUT_S)
             after = client.complete(token_ids=[5, 6, 7, 8], max_tokens=12, ignore_eos=True)[0].token_ids
             assert after == before  # greedy: the same tokens from the new worker
             assert client.health() == "SERVING"
-            assert client.model_info().worker_instance_id != instance
+            assert client.model_info().facts.instance_id != instance
             assert proc.poll() is None and _child(proc.pid, "worker") == new
         err = (tmp_path / "serve.err").read_text()
         assert "worker process exited with signal SIGKILL" in err and f"worker restarted (pid {new}" in err

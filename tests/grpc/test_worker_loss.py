@@ -34,7 +34,7 @@ def _assert_recovered(stack) -> None:
     (c,) = stack.client.complete(token_ids=PROMPT, max_tokens=8)
     assert c.token_ids == reference_tokens(PROMPT, 0, 8, VOCAB)
     s = stack.wait_idle()
-    assert s.num_blocks_free == stack.client.model_info().num_blocks - 1
+    assert s.num_blocks_free == stack.client.model_info().facts.num_blocks - 1
 
 
 def _stream_in_thread(stack, **kw):
@@ -43,7 +43,7 @@ def _stream_in_thread(stack, **kw):
 
 def test_worker_down_gives_unavailable_then_recovers(make_stack):
     stack = make_stack(options=EngineOptions(worker_grace_s=0.2))
-    old_instance = stack.client.model_info().worker_instance_id
+    old_instance = stack.client.model_info().facts.instance_id
     stack.kill_worker()
     # The loss is noticed at the next step (or immediately if the engine was stepping).
     with pytest.raises(ClientError) as first:
@@ -56,7 +56,7 @@ def test_worker_down_gives_unavailable_then_recovers(make_stack):
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and "retry" in e.value.details
     stack.restart_worker()
     _assert_recovered(stack)
-    assert stack.client.model_info().worker_instance_id != old_instance
+    assert stack.client.model_info().facts.instance_id != old_instance
 
 
 def test_live_requests_fail_unavailable_when_the_worker_stays_down(make_stack):

@@ -32,7 +32,7 @@ class Served:
 
     @property
     def model(self) -> str:
-        return self.stack.client.model_info().model_name
+        return self.stack.client.model_info().facts.model_name
 
     def sdk(self, **kw) -> openai.OpenAI:
         """The openai SDK, no retries (a 429 or 503 must surface, not be retried away)."""

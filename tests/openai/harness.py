@@ -16,7 +16,8 @@ from pathlib import Path
 
 import uvicorn
 
-from pagedkv.openai_api.app import Front, create_app
+from pagedkv.openai_api.app import create_app
+from pagedkv.openai_api.front import Front
 
 TIMEOUT_S = 60.0  # a hang guard only
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")

@@ -166,8 +166,8 @@ def test_default_chat_max_tokens_fills_the_room_left(sim):
     rendered = load_chat_template(str(sim.model_dir)).render(messages)
     r = sim.sdk().chat.completions.create(model=sim.model, messages=messages)
     sim.stack.wait_idle()
-    pool_tokens = (info.num_blocks - 1) * info.block_size
-    assert pool_tokens < info.max_model_len
+    pool_tokens = (info.facts.num_blocks - 1) * info.facts.block_size
+    assert pool_tokens < info.facts.max_model_len
     assert r.usage.completion_tokens == pool_tokens - (len(rendered.encode()) + 1)
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens < len(rendered.encode())  # special tokens: fewer tokens than bytes

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import random
 
+from base.v1 import engine_pb2
 from bench.soak_check import StreamCheck, code_violation, idle_violations
 from bench.soak_workload import HUGE_STOP_ID, Geometry, Spec, Workload
-from pagedkv.v1 import engine_pb2
 
 EOS = 257
 GEO = Geometry(vocab_size=512, block_size=4, pool_tokens=252, max_n=8, eos_token_ids=(EOS,))
@@ -71,7 +71,7 @@ def test_status_codes_allowed_per_kind():
 
 
 def test_idle_check_counts_the_null_block_once():
-    info = engine_pb2.ModelInfo(num_blocks=64)
+    info = engine_pb2.ModelInfo(facts=engine_pb2.ModelFacts(num_blocks=64))
     idle = engine_pb2.EngineStats(num_blocks_total=63, num_blocks_free=63)
     assert idle_violations(idle, info) == []
     leaked = engine_pb2.EngineStats(num_blocks_total=63, num_blocks_free=60)

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from base.plan import SamplingParams
 from control_plane.beam_search import BeamSearch
 from control_plane.engine import EngineCore
 from control_plane.invariants import check_all_free, check_scheduler
-from control_plane.plan import SamplingParams
 from control_plane.request import FinishReason
 from control_plane.scheduler_config import SchedulerConfig
 from tests.worker.worker_test_utils import VOCAB, hf_greedy, make_worker

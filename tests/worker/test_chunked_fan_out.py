@@ -4,8 +4,8 @@ started and the request never finished."""
 
 from __future__ import annotations
 
+from base.plan import SamplingParams
 from control_plane.engine import EngineCore
-from control_plane.plan import SamplingParams
 from control_plane.scheduler_config import SchedulerConfig
 from tests.worker.worker_test_utils import make_worker
 

@@ -8,8 +8,8 @@ import random
 
 import torch
 
+from base.plan import Plan, SamplingParams
 from control_plane.engine import EngineCore
-from control_plane.plan import Plan, SamplingParams
 from control_plane.scheduler_config import SchedulerConfig
 from tests.worker.worker_test_utils import make_worker
 from worker.kv_cache import copy_batches

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from control_plane.tokenizer import ByteTokenizer
+from base.tokenizer import ByteTokenizer
 from tests.worker.worker_test_utils import PlanDriver, assert_logits_close, hf_greedy, hf_logits
 from worker import ModelLoadError, Worker, WorkerConfig
 from worker.default_model import (

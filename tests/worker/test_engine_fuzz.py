@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from base.plan import SamplingParams
 from control_plane.engine import EngineCore
 from control_plane.invariants import check_all_free
-from control_plane.plan import SamplingParams
 from control_plane.request import FinishReason
 from control_plane.scheduler_config import SchedulerConfig
 from tests.worker.worker_test_utils import VOCAB, make_worker

@@ -4,9 +4,9 @@ stats failed with KeyError. Driven through the real scheduler and the real CPU w
 
 from __future__ import annotations
 
+from base.plan import SamplingParams
 from control_plane.engine import EngineCore
 from control_plane.invariants import check_all_free
-from control_plane.plan import SamplingParams
 from control_plane.request import FinishReason
 from control_plane.scheduler_config import SchedulerConfig
 from tests.worker.worker_test_utils import make_worker

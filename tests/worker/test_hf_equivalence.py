@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from control_plane.plan import ContinuingSequence, NewSequence, Plan
+from base.plan import ContinuingSequence, NewSequence, Plan
 from tests.worker.worker_test_utils import (
     CHECKPOINTS,
     GREEDY,

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models
 
-from control_plane.plan import NewSequence, Plan
+from base.plan import NewSequence, Plan
 from tests.worker.worker_test_utils import (
     GREEDY,
     CheckpointSpec,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.plan import SamplingParams
+from base.plan import SamplingParams
 from pagedkv.offline import LLM
 
 

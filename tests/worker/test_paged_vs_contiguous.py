@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from control_plane.plan import KVLayout, NewSequence, Plan, SamplingParams
+from base.plan import KVLayout, NewSequence, Plan, SamplingParams
 from tests.worker.worker_test_utils import GREEDY, VOCAB, PlanDriver, make_worker
 from worker import PlanError
 

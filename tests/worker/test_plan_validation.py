@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from control_plane.plan import ContinuingSequence, NewSequence, Plan, SamplingParams
+from base.plan import ContinuingSequence, NewSequence, Plan, SamplingParams
 from tests.worker.worker_test_utils import GREEDY, VOCAB, make_worker
 from worker import PlanError
 

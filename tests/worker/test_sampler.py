@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from control_plane.plan import SamplingParams
+from base.plan import SamplingParams
 from tests.worker.worker_test_utils import VOCAB, PlanDriver, make_worker
 from worker.sampler import Sampler, SamplingRow, token_seed
 

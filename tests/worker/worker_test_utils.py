@@ -2,7 +2,7 @@
 
 `PlanDriver` plays the control plane's part without depending on it: block ids come from a
 counter (never reused), tables grow on demand, and every plan is built by hand from the
-contract in control_plane/plan.py.
+contract in base/plan.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from control_plane.plan import ContinuingSequence, NewSequence, Plan, SamplingParams, StepResult
+from base.plan import ContinuingSequence, NewSequence, Plan, SamplingParams, StepResult
 from worker import Worker, WorkerConfig
 from worker.cpu_forward import fast_forward_unavailable
 

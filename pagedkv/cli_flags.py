@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from pagedkv.logs import FORMATS, LEVELS
+from base.logs import FORMATS, LEVELS
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
@@ -23,35 +23,35 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
-def _port(text: str) -> int:
+def port_number(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a TCP port is 0..65535 (0 = any free port), got {value}")
     return value
 
 
-def _seconds(text: str) -> float:
+def non_negative_seconds(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"seconds must be >= 0, got {text}")
     return value
 
 
-def _positive_seconds(text: str) -> float:
+def positive_seconds(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"seconds must be > 0, got {text}")
     return value
 
 
-def _count(text: str) -> int:
+def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
@@ -59,14 +59,14 @@ def _count(text: str) -> int:
 
 
 # Checked here, before `serve` spawns anything, with the worker's own words (WorkerConfig.validate).
-def _block_size(text: str) -> int:
+def block_size_arg(text: str) -> int:
     value = int(text)
     if value < 1 or value & (value - 1):
         raise argparse.ArgumentTypeError(f"block_size must be a power of two, got {value}")
     return value
 
 
-def _num_blocks(text: str) -> int:
+def num_blocks_arg(text: str) -> int:
     value = int(text)
     if value < 2:
         raise argparse.ArgumentTypeError(f"num_blocks must be >= 2 (block 0 is the null block), got {value}")
@@ -78,7 +78,7 @@ UINT64_MAX = 2**64 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
-def _int_in(lo: int, hi: int):
+def int_in(lo: int, hi: int):
     """An argparse type: an integer in lo..hi (the range of the proto field it fills)."""
 
     def parse(text: str) -> int:
@@ -112,7 +112,7 @@ def token_id_list(text: str) -> list[int]:
     return ids
 
 
-class _DefaultsFormatter(argparse.HelpFormatter):
+class DefaultsFormatter(argparse.HelpFormatter):
     """Appends a flag's default to its help, unless the help names it already or there is none:
     the server commands' --help is what an operator reads to see what they run with."""
 
@@ -123,14 +123,14 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return text + " (default %(default)s)"
 
 
-def _interval(text: str) -> float:
+def poll_interval(text: str) -> float:
     value = float(text)
     if not 0.01 <= value <= 3600:
         raise argparse.ArgumentTypeError(f"poll interval must be 0.01..3600 seconds, got {text}")
     return value
 
 
-def _add_client_security_flags(p: argparse.ArgumentParser, prefix: str = "", what: str = "the server"):
+def add_client_security_flags(p: argparse.ArgumentParser, prefix: str = "", what: str = "the server"):
     """How a client reaches a secured server: TLS, a client certificate, the bearer token."""
     p.add_argument(f"--{prefix}tls-ca", metavar="FILE", help=f"use TLS; verify {what} with this CA (PEM)")
     p.add_argument(f"--{prefix}tls-cert", metavar="FILE", help="client certificate, for mutual TLS")
@@ -142,16 +142,77 @@ def _add_client_security_flags(p: argparse.ArgumentParser, prefix: str = "", wha
     )
 
 
-def _add_logging(p: argparse.ArgumentParser) -> None:
+def add_logging_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", choices=FORMATS, default="console", help="log lines as JSON or for humans")
     p.add_argument("--log-level", choices=LEVELS, default="info", type=str.lower, help="log threshold")
 
 
-def _add_shutdown_grace(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shutdown-grace", type=_seconds, default=5.0, help="seconds in-flight RPCs get on stop")
+def add_shutdown_grace_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--shutdown-grace", type=non_negative_seconds, default=5.0, help="seconds in-flight RPCs get on stop"
+    )
 
 
-def _lifecycle_flags(p: argparse.ArgumentParser) -> None:
+def add_lifecycle_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-file", metavar="PATH", help="write {address, pid} as JSON once listening")
-    _add_shutdown_grace(p)
-    _add_logging(p)
+    add_shutdown_grace_flag(p)
+    add_logging_flags(p)
+
+
+# The control plane's limits and lifecycle: `serve` forwards these to its control child as is.
+CONTROL_LIMIT_FLAGS = (
+    "max_queue",
+    "max_n",
+    "worker_grace",
+    "step_timeout",
+    "step_liveness",
+    "no_overlap",
+    "plans_in_flight",
+)
+
+
+def add_control_limits(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-queue", type=positive_int, default=1024, help="waiting requests allowed")
+    p.add_argument("--max-n", type=positive_int, default=16, help="largest n (parallel samples) accepted")
+    p.add_argument(
+        "--worker-grace",
+        type=non_negative_seconds,
+        default=5.0,
+        help="seconds requests wait for a lost worker",
+    )
+    p.add_argument(
+        "--step-timeout", type=positive_seconds, default=300.0, help="seconds one plan may take on a worker"
+    )
+    p.add_argument(
+        "--step-liveness",
+        type=positive_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="health turns NOT_SERVING while a step has been in flight longer than this (a hung worker)",
+    )
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="one plan in flight at a time (the strict loop): no planning of step k+1 while step k "
+        "runs; for comparison and debugging (docs/ARCHITECTURE.md)",
+    )
+    p.add_argument(
+        "--plans-in-flight",
+        type=int,
+        choices=(2, 3, 4),
+        default=2,
+        help="with overlap: plans sent ahead of the result awaited; 3 when a worker step is shorter "
+        "than the plan/result round trip (sub-millisecond GPU decode steps)",
+    )
+
+
+# serve's own clients of its public port (readiness check, banner, HTTP front) dial it with
+# the same TLS settings as any client.
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+
+
+def own_tls_server_name(args) -> str | None:
+    """The name serve's own client checks in --tls-cert: a wildcard host is dialled on loopback."""
+    if args.tls_server_name:
+        return args.tls_server_name
+    return "localhost" if args.host in _WILDCARD_HOSTS else None

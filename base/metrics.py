@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pagedkv.logs import get_logger
+from base.logs import get_logger
 
 log = get_logger("pagedkv.metrics")
 SCRAPE_TIMEOUT_S = 2.0

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import grpc
 
-from pagedkv.grpc_util import normalize_address
-from pagedkv.logs import get_logger
+from base.grpc_util import normalize_address
+from base.logs import get_logger
 
 AUTH_METADATA_KEY = "authorization"
 # Method-name prefixes answered without a token (see the module docstring for why).

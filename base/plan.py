@@ -35,11 +35,12 @@ Worker order of operations for one plan (all validated first; a bad plan changes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import ClassVar
 
-from control_plane.beam_search import EARLY_STOPPING
+EARLY_STOPPING = ("heuristic", "on", "never")
+"""Beam search's stopping modes: Hugging Face's early_stopping False (default), True, "never"."""
 
 NULL_BLOCK_ID = 0
 """Block 0 is never allocated to a request and never cached; padded table slots point at it."""
@@ -196,8 +197,11 @@ class KVLayout(IntEnum):
 
 
 @dataclass(slots=True, frozen=True)
-class WorkerInfo:
-    """What `Worker.describe()` reports; the control plane sizes its block pool from it."""
+class ModelFacts:
+    """Facts about the served model and its KV cache: the worker reports them, the control
+    plane sizes its pool from them and passes them on in the public ModelInfo. Mirrors the
+    `pagedkv.v1.ModelFacts` message field for field (same names; the codec copies by name and
+    a test keeps both equal), so a new fact is added there and here only."""
 
     model_name: str
     architecture: str
@@ -206,7 +210,7 @@ class WorkerInfo:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # "float32" | "float16" | "bfloat16"
+    dtype: str  # KV element type: "float32" | "float16" | "bfloat16"
     block_size: int
     num_blocks: int  # including the null block 0
     bytes_per_block: int  # 2 * layers * kv_heads * head_dim * dtype_bytes * block_size
@@ -215,5 +219,15 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...] = ()
     kv_layout: KVLayout = KVLayout.PAGED
     max_concurrent_seqs: int = 0  # 0 = no limit; contiguous layout: the number of max-length rows
-    tokenizer_kind: str = "none"  # "byte" | "hf" | "none" (see control_plane.tokenizer)
+    tokenizer_kind: str = "none"  # "byte" | "hf" | "none" (see base.tokenizer)
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerInfo(ModelFacts):
+    """What `Worker.describe()` reports: the model facts plus the tokenizer itself, which the
+    control plane needs and ModelInfo does not carry."""
+
     tokenizer_json: str = ""  # the checkpoint's tokenizer.json when tokenizer_kind == "hf"
+
+
+MODEL_FACT_FIELDS = tuple(f.name for f in fields(ModelFacts))

@@ -1,4 +1,4 @@
-"""control_plane.plan dataclasses <-> pagedkv.v1 worker protobuf messages.
+"""base.plan dataclasses <-> pagedkv.v1 worker protobuf messages.
 
 Runs on both sides of the wire every step (the control plane encodes plans and decodes
 results; the worker the reverse), so it is written for speed. Measured with the upb runtime:
@@ -7,17 +7,21 @@ results; the worker the reverse), so it is written for speed. Measured with the 
 geometry.
 
 Invariant (tested): `decode_x(encode_x(v)) == v` for every Plan, StepResult and WorkerInfo the
-dataclasses can express, with two normalisations: a plan's sampling params decode as
+dataclasses can express, with these normalisations: a plan's sampling params decode as
 `SamplingParams.for_worker()` (stop conditions never travel: they are the control plane's),
+their temperature and top_p travel as float32 (the public `SamplingParams` message's type, so
+every value a request can carry round-trips exactly),
 and an empty `SeqOutput.logprobs` decodes as None (a proto repeated field has no "unset"
 state; a sampled sequence always has >= 1 token, so "requested" is never empty).
 """
 
 from __future__ import annotations
 
-from control_plane.plan import (
+from base.plan import (
+    MODEL_FACT_FIELDS,
     ContinuingSequence,
     KVLayout,
+    ModelFacts,
     NewSequence,
     Plan,
     SamplingParams,
@@ -25,22 +29,23 @@ from control_plane.plan import (
     StepResult,
     WorkerInfo,
 )
-from pagedkv.v1 import worker_pb2 as pb
+from base.v1 import engine_pb2 as epb
+from base.v1 import worker_pb2 as pb
 
 _PbRepl = pb.BlockReplacement
 _PbCopy = pb.BlockCopy
-_PbSampling = pb.WorkerSamplingParams
+_PbSampling = epb.SamplingParams
 
 
 # -- sampling --------------------------------------------------------------------------------
-def encode_sampling(s: SamplingParams) -> pb.WorkerSamplingParams:
+def encode_sampling(s: SamplingParams) -> epb.SamplingParams:
     """Only what the sampler needs: stop conditions stay on the control plane."""
     return _PbSampling(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, n=s.n, logprobs=s.logprobs
     )
 
 
-def decode_sampling(m: pb.WorkerSamplingParams) -> SamplingParams:
+def decode_sampling(m: epb.SamplingParams) -> SamplingParams:
     """A `SamplingParams.for_worker()` value: stop fields at their defaults."""
     return SamplingParams(
         temperature=m.temperature,
@@ -106,7 +111,7 @@ def encode_plan(plan: Plan, expected_instance_id: str = "") -> pb.Plan:
 def decode_plan(m: pb.Plan) -> Plan:
     sampling_cache: dict[bytes, SamplingParams] = {}
 
-    def sampling(sp: pb.WorkerSamplingParams) -> SamplingParams:
+    def sampling(sp: epb.SamplingParams) -> SamplingParams:
         key = sp.SerializeToString()
         got = sampling_cache.get(key)
         if got is None:
@@ -171,55 +176,30 @@ def decode_result(m: pb.StepResult) -> StepResult:
 
 
 # -- worker info -----------------------------------------------------------------------------
-_LAYOUT_TO_PB = {KVLayout.PAGED: 1, KVLayout.CONTIGUOUS: 2}  # pagedkv.v1.KVLayout values
+def encode_facts(f: ModelFacts) -> epb.ModelFacts:
+    """Copies every ModelFacts field by name (the message and the dataclass match: tested)."""
+    values = {name: getattr(f, name) for name in MODEL_FACT_FIELDS}
+    values["kv_layout"] = int(KVLayout(f.kv_layout))  # pagedkv.v1.KVLayout has the same values
+    return epb.ModelFacts(**values)
+
+
+def decode_facts(m: epb.ModelFacts) -> dict:
+    """The ModelFacts fields of `m` as keyword arguments. Raises ValueError on an unset or
+    unknown layout (a worker that predates this protocol)."""
+    values = {name: getattr(m, name) for name in MODEL_FACT_FIELDS}
+    try:
+        values["kv_layout"] = KVLayout(m.kv_layout)
+    except ValueError:
+        raise ValueError(f"worker reported an unknown KV layout {m.kv_layout}") from None
+    values["eos_token_ids"] = tuple(m.eos_token_ids)
+    values["tokenizer_kind"] = m.tokenizer_kind or "none"
+    return values
 
 
 def encode_worker_info(i: WorkerInfo) -> pb.WorkerInfo:
-    return pb.WorkerInfo(
-        model_name=i.model_name,
-        architecture=i.architecture,
-        vocab_size=i.vocab_size,
-        max_model_len=i.max_model_len,
-        num_layers=i.num_layers,
-        num_kv_heads=i.num_kv_heads,
-        head_dim=i.head_dim,
-        dtype=i.dtype,
-        block_size=i.block_size,
-        num_blocks=i.num_blocks,
-        bytes_per_block=i.bytes_per_block,
-        device=i.device,
-        instance_id=i.instance_id,
-        eos_token_ids=i.eos_token_ids,
-        kv_layout=_LAYOUT_TO_PB[KVLayout(i.kv_layout)],
-        max_concurrent_seqs=i.max_concurrent_seqs,
-        tokenizer_kind=i.tokenizer_kind,
-        tokenizer_json=i.tokenizer_json,
-    )
+    return pb.WorkerInfo(facts=encode_facts(i), tokenizer_json=i.tokenizer_json)
 
 
 def decode_worker_info(m: pb.WorkerInfo) -> WorkerInfo:
     """Raises ValueError on an unset/unknown layout (a worker that predates this protocol)."""
-    try:
-        layout = KVLayout(m.kv_layout)
-    except ValueError:
-        raise ValueError(f"worker reported an unknown KV layout {m.kv_layout}") from None
-    return WorkerInfo(
-        model_name=m.model_name,
-        architecture=m.architecture,
-        vocab_size=m.vocab_size,
-        max_model_len=m.max_model_len,
-        num_layers=m.num_layers,
-        num_kv_heads=m.num_kv_heads,
-        head_dim=m.head_dim,
-        dtype=m.dtype,
-        block_size=m.block_size,
-        num_blocks=m.num_blocks,
-        bytes_per_block=m.bytes_per_block,
-        device=m.device,
-        instance_id=m.instance_id,
-        eos_token_ids=tuple(m.eos_token_ids),
-        kv_layout=layout,
-        max_concurrent_seqs=m.max_concurrent_seqs,
-        tokenizer_kind=m.tokenizer_kind or "none",
-        tokenizer_json=m.tokenizer_json,
-    )
+    return WorkerInfo(**decode_facts(m.facts), tokenizer_json=m.tokenizer_json)
