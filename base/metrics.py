@@ -150,6 +150,16 @@ class _WorkerCollector:
         )
         kv_bytes = info.num_blocks * info.bytes_per_block
         yield GaugeMetricFamily("pagedkv_worker_kv_cache_bytes", "bytes of the KV pool", value=kv_bytes)
+        forward = GaugeMetricFamily(
+            "pagedkv_worker_forward_info",
+            "1, labelled with the forward that executes plans, its kernel build, and whether it is a "
+            "fallback from the fused CPU forward (ModelFacts.forward*)",
+            labels=["forward", "kernels", "fallback"],
+        )
+        forward.add_metric(
+            [info.forward, info.forward_kernels, str(bool(info.forward_fallback_reason)).lower()], 1
+        )
+        yield forward
         allocated = gpu_memory_allocated_bytes(info.device)
         if allocated is not None:
             yield GaugeMetricFamily(

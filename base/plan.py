@@ -220,6 +220,9 @@ class ModelFacts:
     kv_layout: KVLayout = KVLayout.PAGED
     max_concurrent_seqs: int = 0  # 0 = no limit; contiguous layout: the number of max-length rows
     tokenizer_kind: str = "none"  # "byte" | "hf" | "none" (see base.tokenizer)
+    forward: str = ""  # "cpu-fast" | "cpu-reference" | "cuda": what executes plans
+    forward_kernels: str = ""  # e.g. "avx512bf16 (prebuilt)"; "" for the reference
+    forward_fallback_reason: str = ""  # why the fused CPU forward was wanted but is not running
 
 
 @dataclass(slots=True, frozen=True)

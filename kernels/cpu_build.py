@@ -1,64 +1,119 @@
-"""Run-time build of the fast CPU worker's C kernels (kernels/cpu_ops.c), the CPU twin of NVRTC.
+"""The fast CPU forward's C kernels: built ahead of time per ISA variant, picked at run time by the
+CPU's features, JIT-built only where no prebuilt library fits, and never able to break a start.
 
-    cpu_ops.c ──cc -O3 -march=native -fopenmp -shared──▶ $PAGEDKV_CACHE_DIR/kernels/cpu-<key>.so
-                                                        ──ctypes──▶ CpuOps (GIL released per call)
+    kernels/cpu_*.c ── cc -O3 -march=<variant> -fopenmp -shared ──▶ <variant>.so + <variant>.json
+       at install:  `make setup` / `pip install .` ─▶ kernels/prebuilt/         (no compiler at run time)
+       at start:    only when no prebuilt fits     ─▶ $PAGEDKV_CACHE_DIR/kernels/
 
-The key is a SHA-256 of the source, the compiler's identity, the options and this CPU's model
-and flags (-march=native code is only valid on the CPU it was built for), so an edit, a
-compiler upgrade or a different host misses the cache. The library is written to a temporary
-name and renamed into place: concurrent workers never load half a file.
+Variants (best first) are compiled for an ISA level, never `-march=native`, so a library built on
+one host runs on any CPU with that level's features, and the choice is made by the CPU that runs
+it (`/proc/cpuinfo`), not the one that built it. `PAGEDKV_CPU_VARIANT=name` forces one.
 
-It must be loaded after torch: its libgomp dependency then resolves (by SONAME) to the copy
-torch already loaded, so the kernels and torch's GEMMs share one OpenMP thread pool instead of
-two pools fighting over the cores. `load_cpu_ops` raises CpuKernelBuildError with the
-compiler's output when there is no compiler or the build fails; the worker then serves with
-the reference ops and says why.
+A library is loaded only if its key file (<name>.json) matches: the source hash of every C file
+and header, the compiler flags, and (for a start-time build) the compiler's identity; and only
+if this CPU has the variant's features. File names alone are never trusted.
+
+Every failure (no compiler, a compiler that rejects a flag, an unwritable cache directory, a
+wrapper `CC` such as "ccache gcc" or "gcc -m64" is parsed, not failed) raises CpuKernelBuildError
+saying why, and the worker serves with the reference forward unless told `--cpu-kernels fast`.
+The library must be loaded after torch: its libgomp then resolves (by SONAME) to torch's copy, so
+the kernels and torch's ops share one OpenMP thread pool. Stdlib only: setup.py imports this.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from kernels.cubin_cache import default_cache_dir
+from kernels.cache_dir import default_cache_dir
 
-SOURCE = Path(__file__).with_name("cpu_ops.c")
-OPTIONS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-COMPILER_ENV = "CC"
+HERE = Path(__file__).resolve().parent
+SOURCES = ("cpu_ops.c", "cpu_attention.c", "cpu_gemm.c")
+HEADERS = ("cpu_simd.h",)
+BASE_OPTIONS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
+# A compiler without an OpenMP runtime (clang without libomp) still builds the kernels, run on one
+# thread: slower than torch's threads would be, faster than the reference forward.
+SERIAL_OPTIONS = tuple(o for o in BASE_OPTIONS if o != "-fopenmp") + ("-Wno-unknown-pragmas",)
+PREBUILT_DIR = HERE / "prebuilt"
+VARIANT_ENV = "PAGEDKV_CPU_VARIANT"
+KEY_VERSION = 1
 
-_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-# name -> (restype, argtypes), in cpu_ops.c's parameter order.
-SIGNATURES = {
-    "rms_norm": (None, (_P, _P, _P, _I64, _I64, _F32, _INT)),
-    "add_rms_norm": (None, (_P, _P, _P, _P, _I64, _I64, _F32, _INT)),
-    "qkv_rope_store": (None, (_P,) * 9 + (_I64, _I64, _I64, _I64, _F32, _INT)),
-    "silu_mul": (None, (_P, _P, _I64, _I64, _INT)),
-    "row_linear": (None, (_P, _P, _P, _P, _I64, _I64, _INT)),
-    "paged_attention": (
-        _INT,
-        (_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT),
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    flags: tuple[str, ...]
+    requires: frozenset[str]  # /proc/cpuinfo flags (x86) or Features (arm) the CPU must have
+
+
+_V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+VARIANTS = {
+    "x86_64": (
+        Variant(
+            "avx512bf16",
+            ("-march=x86-64-v4", "-mavx512bf16", "-mtune=generic"),
+            frozenset(_V4 | {"avx512_bf16"}),
+        ),
+        Variant("avx512", ("-march=x86-64-v4", "-mtune=generic"), frozenset(_V4)),
+        Variant("avx2", ("-march=x86-64-v3", "-mtune=generic"), frozenset(_V3)),
+        Variant("generic", ("-march=x86-64", "-mtune=generic"), frozenset()),
+    ),
+    # Orin's Cortex-A78AE: ARMv8.2 with half-precision arithmetic (fphp/asimdhp).
+    "aarch64": (
+        Variant("neon-fp16", ("-march=armv8.2-a+fp16",), frozenset({"asimd", "fphp", "asimdhp"})),
+        Variant("generic", ("-march=armv8-a",), frozenset()),
     ),
 }
-MAX_HEADS_X_DIM = 8192  # one token's attention accumulators (cpu_ops.c MAX_HEADS_X_DIM)
-MAX_HEAD_DIM = 512  # norm_rope_head's buffer
+GENERIC = (Variant("generic", (), frozenset()),)  # any other machine: the compiler's default target
+
+
+def machine_variants() -> tuple[Variant, ...]:
+    machine = platform.machine().lower()
+    return VARIANTS.get({"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine), GENERIC)
 
 
 class CpuKernelBuildError(RuntimeError):
-    """No C compiler, or it rejected cpu_ops.c; the message carries its output."""
+    """The kernels cannot be built or loaded here; the message says why."""
+
+
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# name -> (restype, argtypes), in the C parameter order.
+SIGNATURES = {
+    "rms_norm": (None, (_P, _P, _P, _I64, _I64, _F32, _INT)),
+    "add_rms_norm": (None, (_P, _P, _P, _P, _I64, _I64, _F32, _INT)),
+    "qkv_rope_store": (None, (_P,) * 9 + (_INT, _I64, _I64, _I64, _I64, _F32, _INT)),
+    "silu_mul": (None, (_P, _P, _I64, _I64, _INT)),
+    "gather_rows": (None, (_INT, _P, _P, _P, _I64, _I64, _INT)),
+    "pk_linear": (_INT, (_INT, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT)),
+    "pk_gather_rows": (None, (_INT, _P, _P, _P, _I64, _I64, _I64, _INT)),
+    "paged_attention": (
+        _INT,
+        (_P, _P, _P, _P, _INT, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT),
+    ),
+}
+DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}  # cpu_simd.h DT_*
+MAX_HEADS_X_DIM = 8192  # one token's attention accumulators (cpu_attention.c MAX_HEADS_X_DIM)
+MAX_HEAD_DIM = 512  # cpu_ops.c MAX_HEAD_DIM
 
 
 class CpuOps:
-    """The loaded library; attributes are its functions with ctypes signatures set."""
+    """A loaded library: its functions (ctypes signatures set) plus where it came from."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, variant: str, origin: str) -> None:
+        self.path, self.variant = path, variant
+        self.origin = origin + (", single-threaded: no OpenMP in the compiler" if is_serial(path) else "")
         self._lib = ctypes.CDLL(str(path))
         for name, (restype, argtypes) in SIGNATURES.items():
             fn = getattr(self._lib, name)
@@ -66,66 +121,226 @@ class CpuOps:
             setattr(self, name, fn)
 
 
-def compiler() -> str | None:
-    """The C compiler to use: $CC, else cc or gcc on PATH."""
-    candidates = [os.environ[COMPILER_ENV]] if os.environ.get(COMPILER_ENV) else ["cc", "gcc"]
-    for name in candidates:
+# -- what to build and with what ------------------------------------------------------------------
+def source_digest(directory: Path = HERE) -> str:
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update(name.encode() + b"\0" + (directory / name).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def compiler_command() -> list[str] | None:
+    """$CC split like a shell would ("ccache gcc", "gcc -m64"), else cc / gcc on PATH."""
+    if os.environ.get("CC"):
+        argv = shlex.split(os.environ["CC"])
+        found = shutil.which(argv[0]) if argv else None
+        return [found, *argv[1:]] if found else None
+    for name in ("cc", "gcc"):
         found = shutil.which(name)
         if found:
-            return found
+            return [found]
     return None
 
 
-def _cpu_identity() -> str:
-    """Model name and feature flags of this CPU (what -march=native compiles for)."""
+def compiler_identity(cc: list[str]) -> str:
+    try:
+        out = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CpuKernelBuildError(f"the C compiler {shlex.join(cc)} does not run: {exc}") from None
+    first = out.stdout.splitlines()[0] if out.stdout else ""
+    return f"{shlex.join(cc)}: {first}"
+
+
+def cpu_features() -> frozenset[str]:
+    """This CPU's feature flags, as /proc/cpuinfo names them (empty where it cannot be read)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return platform.processor() or platform.machine()
-    keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
-    return "\n".join(sorted(set(keep))) or platform.machine()
+        return frozenset()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
 
 
-def _compiler_version(cc: str) -> str:
-    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60)
-    return out.stdout.splitlines()[0] if out.stdout else cc
+def _key(variant: Variant, directory: Path, compiler: str, options: tuple[str, ...] = BASE_OPTIONS) -> dict:
+    return {
+        "version": KEY_VERSION,
+        "variant": variant.name,
+        "flags": [*options, *variant.flags],
+        "sources": source_digest(directory),
+        "compiler": compiler,
+        "requires": sorted(variant.requires),
+    }
 
 
-def library_path(cc: str, cache_dir: Path | None = None) -> Path:
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_text(), _compiler_version(cc), " ".join(OPTIONS), _cpu_identity()):
-        digest.update(part.encode())
-        digest.update(b"\x1f")
-    return (cache_dir or default_cache_dir()) / f"cpu-{digest.hexdigest()[:32]}.so"
-
-
-def build(cache_dir: Path | None = None) -> Path:
-    """The compiled library's path, compiling it when the cache has no entry for this key."""
-    cc = compiler()
-    if cc is None:
-        raise CpuKernelBuildError("no C compiler found (set $CC or install gcc) to build kernels/cpu_ops.c")
-    path = library_path(cc, cache_dir)
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".so.tmp", dir=path.parent)
-    os.close(fd)
+def _run_compiler(command: list[str]) -> subprocess.CompletedProcess:
     try:
-        out = subprocess.run(
-            [cc, *OPTIONS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
-        )
-        if out.returncode != 0:
-            raise CpuKernelBuildError(f"{cc} failed to build {SOURCE.name}:\n{out.stdout}{out.stderr}")
-        os.replace(tmp, path)
+        return subprocess.run(command, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CpuKernelBuildError(f"the C compiler did not run: {exc}") from None
+
+
+def compile_variant(variant: Variant, out: Path, cc: list[str], sources_dir: Path = HERE) -> Path:
+    """Builds `out` (a .so) and its key file next to it, atomically (temp files renamed into
+    place, key last: a library without a matching key is never loaded)."""
+    identity = compiler_identity(cc)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".so.tmp", dir=out.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise CpuKernelBuildError(f"cannot write CPU kernels to {out.parent}: {exc}") from None
+    try:
+        sources = [str(sources_dir / name) for name in SOURCES]
+        options = BASE_OPTIONS
+        done = _run_compiler([*cc, *options, *variant.flags, "-o", tmp, *sources, "-lm"])
+        if done.returncode != 0 and "omp" in (done.stdout + done.stderr).lower():
+            options = SERIAL_OPTIONS
+            done = _run_compiler([*cc, *options, *variant.flags, "-o", tmp, *sources, "-lm"])
+        if done.returncode != 0:
+            output = f"{done.stdout}{done.stderr}".strip()
+            raise CpuKernelBuildError(
+                f"{shlex.join(cc)} failed to build the {variant.name} CPU kernels:\n{output}"
+            )
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from the service user of an image
+        os.replace(tmp, out)
+        key_tmp = out.with_suffix(".json.tmp")
+        key_tmp.write_text(json.dumps(_key(variant, sources_dir, identity, options), indent=1))
+        os.replace(key_tmp, out.with_suffix(".json"))
+    except OSError as exc:
+        raise CpuKernelBuildError(f"cannot write CPU kernels to {out.parent}: {exc}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return path
+    return out
+
+
+def key_matches(path: Path, variant: Variant, compiler: str | None) -> bool:
+    """The library at `path` was built from these sources with these flags (and, when
+    `compiler` is given, by that compiler)."""
+    try:
+        key = json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(key, dict):
+        return False
+    options = SERIAL_OPTIONS if key.get("flags") == [*SERIAL_OPTIONS, *variant.flags] else BASE_OPTIONS
+    want = _key(variant, HERE, compiler or key.get("compiler", ""), options)
+    return path.is_file() and key == want
+
+
+def is_serial(path: Path) -> bool:
+    """Built without OpenMP (the compiler had no runtime): the kernels run on one thread."""
+    try:
+        return "-fopenmp" not in json.loads(path.with_suffix(".json").read_text())["flags"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+# -- ahead of time ---------------------------------------------------------------------------------
+def prebuild(out_dir: Path | None = None, sources_dir: Path = HERE, variants=None) -> list[str]:
+    """Builds every variant of this machine's architecture into `out_dir` (make setup, pip
+    install). A variant the compiler cannot build is skipped with a message; returns the built."""
+    out_dir = PREBUILT_DIR if out_dir is None else out_dir
+    cc = compiler_command()
+    if cc is None:
+        print("pagedkv: no C compiler: CPU kernels not prebuilt (the worker falls back)", file=sys.stderr)
+        return []
+    built = []
+    for variant in machine_variants() if variants is None else variants:
+        try:
+            compile_variant(variant, out_dir / f"{variant.name}.so", cc, sources_dir)
+            built.append(variant.name)
+        except CpuKernelBuildError as exc:
+            print(f"pagedkv: CPU kernels {variant.name} not prebuilt: {exc}", file=sys.stderr)
+    return built
+
+
+# -- at start ----------------------------------------------------------------------------------------
+def usable_variants(features: frozenset[str] | None = None) -> list[Variant]:
+    """This CPU's variants, best first (one only if PAGEDKV_CPU_VARIANT names it)."""
+    features = cpu_features() if features is None else features
+    variants = machine_variants()
+    forced = os.environ.get(VARIANT_ENV)
+    if forced:
+        named = [v for v in variants if v.name == forced]
+        if not named:
+            names = ", ".join(v.name for v in variants)
+            raise CpuKernelBuildError(f"{VARIANT_ENV}={forced} is not a variant of this machine ({names})")
+        missing = ", ".join(sorted(named[0].requires - features))
+        if missing:
+            raise CpuKernelBuildError(f"{VARIANT_ENV}={forced} needs CPU features this CPU lacks: {missing}")
+        return named
+    return [v for v in variants if v.requires <= features]
+
+
+def jit_path(variant: Variant, compiler: str, cache_dir: Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(_key(variant, HERE, compiler)).encode()).hexdigest()[:24]
+    return (cache_dir or default_cache_dir()) / f"cpu-{variant.name}-{digest}.so"
+
+
+def _build_in_cache(variant: Variant, cc: list[str], cache_dir: Path | None) -> tuple[Path, Variant, str]:
+    """Found in (or built into) the cache; an unwritable cache falls back to a private temp dir."""
+    identity = compiler_identity(cc)
+    path = jit_path(variant, identity, cache_dir)
+    if key_matches(path, variant, identity):
+        return path, variant, "cache"
+    try:
+        return compile_variant(variant, path, cc), variant, "built at start"
+    except CpuKernelBuildError as exc:
+        if "cannot write" not in str(exc) or cache_dir is not None:
+            raise
+    fallback = jit_path(variant, identity, Path(tempfile.gettempdir()) / f"pagedkv-{os.getuid()}" / "kernels")
+    if key_matches(fallback, variant, identity):
+        return fallback, variant, "cache"
+    return compile_variant(variant, fallback, cc), variant, "built at start"
+
+
+def find_or_build(
+    cache_dir: Path | None = None, prebuilt_dir: Path | None = None
+) -> tuple[Path, Variant, str]:
+    """(library, variant, origin): the best variant this CPU runs, prebuilt if a matching one
+    exists, else built now (or found) in the cache. Raises CpuKernelBuildError with every reason."""
+    prebuilt_dir = PREBUILT_DIR if prebuilt_dir is None else prebuilt_dir
+    reasons = []
+    cc = compiler_command()
+    for variant in usable_variants():
+        prebuilt = prebuilt_dir / f"{variant.name}.so"
+        if key_matches(prebuilt, variant, None):
+            return prebuilt, variant, "prebuilt"
+        if cc is None:
+            reasons.append(
+                f"{variant.name}: no prebuilt library for these sources, and no C compiler ($CC, cc, gcc)"
+            )
+            continue
+        try:
+            return _build_in_cache(variant, cc, cache_dir)
+        except CpuKernelBuildError as exc:
+            reasons.append(f"{variant.name}: {exc}")
+    if not reasons:
+        reasons.append("no kernel variant for this CPU")
+    raise CpuKernelBuildError("; ".join(reasons))
 
 
 @cache
 def load_cpu_ops() -> CpuOps:
-    """Build (or find in the cache) and load the kernels once per process."""
+    """Find or build, then load, the kernels once per process."""
     import torch  # noqa: F401 -- first, so that libgomp resolves to torch's copy
 
-    return CpuOps(build())
+    path, variant, origin = find_or_build()
+    try:
+        return CpuOps(path, variant.name, origin)
+    except (OSError, AttributeError) as exc:
+        raise CpuKernelBuildError(f"cannot load {path}: {exc}") from None
+
+
+if __name__ == "__main__":
+    # `python -m kernels.cpu_build --prebuild [DIR]`: what make setup runs.
+    if len(sys.argv) >= 2 and sys.argv[1] == "--prebuild":
+        target = Path(sys.argv[2]) if len(sys.argv) > 2 else PREBUILT_DIR
+        print(f"pagedkv: CPU kernels prebuilt in {target}: {', '.join(prebuild(target)) or 'none'}")
+    else:
+        print("usage: python -m kernels.cpu_build --prebuild [DIR]", file=sys.stderr)
+        sys.exit(2)

@@ -26,16 +26,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from kernels.cache_dir import default_cache_dir
 from kernels.nvrtc import CompiledProgram, ResourceUsage
 
-CACHE_DIR_ENV = "PAGEDKV_CACHE_DIR"
 FORMAT_VERSION = 1
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get(CACHE_DIR_ENV)
-    base = Path(root) if root else Path.home() / ".cache" / "pagedkv"
-    return base / "kernels"
 
 
 def cache_key(

@@ -113,9 +113,10 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
     p.add_argument("--no-cuda-graph", action="store_true", help="run decode eagerly (CUDA backend)")
     p.add_argument(
         "--cpu-kernels",
-        choices=("fast", "reference"),
-        default="fast",
-        help="CPU forward: fused kernels, or the plain torch reference (the oracle)",
+        choices=("auto", "fast", "reference"),
+        default="auto",
+        help="CPU forward: fused kernels where they run (else the reference, with a warning), fused "
+        "kernels or fail to start, or the plain torch reference (the oracle)",
     )
     if not for_serve:  # serve derives it from --max-num-seqs
         p.add_argument(

@@ -208,6 +208,7 @@ def _banner(address: str, args, metrics_url: str | None, security) -> str:
             f"pagedkv serving {facts.model_name} on {address}  (device {facts.device}, {facts.dtype}, "
             f"{facts.num_blocks} KV blocks x {facts.block_size} tokens = {kv_mib:.1f} MiB, "
             f"{'paged' if facts.kv_layout == 1 else 'contiguous'} layout)",
+            _forward_line(facts),
             "try (in another terminal):",
             f"  {gen}",
             f"  {curl_line}",
@@ -216,6 +217,16 @@ def _banner(address: str, args, metrics_url: str | None, security) -> str:
             "Ctrl-C stops both processes.",
         ]
     )
+
+
+def _forward_line(facts) -> str:
+    """Which forward runs, and why not the fused one when it fell back."""
+    line = f"forward: {facts.forward or 'unknown'}" + (
+        f", kernels {facts.forward_kernels}" if facts.forward_kernels else ""
+    )
+    if facts.forward_fallback_reason:
+        line += f" (fallback: {facts.forward_fallback_reason})"
+    return line
 
 
 def _metrics_lines(args, metrics_url: str | None) -> list[str]:

@@ -29,6 +29,7 @@ def test_old_stub_import_path_is_the_same_modules():
     """`pagedkv.v1` (the path clients used before the stubs moved to the base layer) names the
     very modules in `base.v1`: one descriptor each, so messages from either path interoperate."""
     import pagedkv.v1.engine_pb2 as old_engine
+
     from pagedkv.v1 import worker_pb2 as old_worker
 
     assert old_engine is engine_pb2 and old_worker is worker_pb2

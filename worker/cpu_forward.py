@@ -1,7 +1,7 @@
 """The fast CPU forward: the same model as worker.model, laid out and fused for a CPU.
 
     embed ─▶ rms_norm ─┬─ per layer ──────────────────────────────────────────────────────────┐
-                       │ qkv = Linear(h)            one oneDNN GEMM over the fused [q;k;v]     │
+                       │ qkv = Linear(h)            one panel GEMM over the fused [q;k;v]      │
                        │ q = qkv_rope_store(qkv)    C: q/k norm + RoPE, K/V stored by slot     │
                        │ a = paged_attention(q)     C: varlen causal attention on the pool     │
                        │ h = add_rms_norm(x += Linear_o(a))                                   │
@@ -9,16 +9,16 @@
                        └──────────────────────────────────────────────────────────────────────┘
     the last layer runs o_proj and the MLP only for the rows that sample; logits likewise.
 
-Why it is faster than the reference (measured in docs/PERF.md): weights are pre-packed once for
-oneDNN (`torch.ops.mkldnn._linear_pointwise`; 2-3x plain `F.linear` at batch 64 on AVX-512),
-q|k|v and gate|up are one GEMM each, the elementwise ops are single passes in C
-(kernels/cpu_ops.c), and attention is one call per layer for the whole batch that reads the
-paged pool in place (the reference gathers every context token, then loops over sequences).
+Dtypes: weights stay in the checkpoint's dtype (fp32, bf16 or fp16), one resident copy each in
+the panel layout (worker/cpu_weights.py) that one C kernel reads for every batch size: a single
+decode row streams each panel once, batches run a register-tiled GEMM over the same panels
+(kernels/cpu_gemm.c). Activations, norms, RoPE, softmax and every accumulation are fp32; the
+K/V pool is in the model's dtype and widens to fp32 as attention reads it. So a bf16 model
+reads half the weight bytes of fp32 and rounds less than one run in bf16 throughout.
 
 The reference `CausalLM` stays the oracle: the fast path reorders float math (fused GEMMs,
 online softmax), so tests check it against the reference and Hugging Face by tolerance and by
-greedy tokens, not bit for bit. It serves float32 checkpoints on the CPU; anything else uses
-the reference (see `fast_forward_unavailable`).
+greedy tokens, not bit for bit. `fast_forward_unavailable` says when it cannot serve.
 """
 
 from __future__ import annotations
@@ -28,11 +28,8 @@ from torch import Tensor
 
 from kernels.cpu_build import MAX_HEAD_DIM, MAX_HEADS_X_DIM, CpuKernelBuildError, CpuOps, load_cpu_ops
 from worker.batch import ModelInputs
+from worker.cpu_weights import PANEL_DTYPES, PanelLinear, dtype_code, fused, release
 from worker.model import CausalLM
-
-# oneDNN picks the packed layout for a batch-size hint; decode batches of this order are the
-# hot case (prefill GEMMs are large enough to run near peak in any layout).
-PACKING_BATCH_HINT = 64
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -40,54 +37,40 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-class PackedLinear:
-    """y = x @ W.T + b. Batches go to oneDNN with W reordered once into its blocked layout; a
-    single row (streaming decode) goes to the C GEMV over the plain W, which streams the weight
-    from memory twice as fast as oneDNN does at M = 1. So the fast forward holds the weights twice
-    (plain + packed); `--cpu-kernels reference` holds them once."""
-
-    def __init__(self, ops: CpuOps, weight: Tensor, bias: Tensor | None) -> None:
-        self.ops = ops
-        self.out_features, self.in_features = weight.shape
-        self.plain = weight.detach().contiguous()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.plain, PACKING_BATCH_HINT)
-        self.bias = None if bias is None else bias.detach().contiguous()
-
-    def __call__(self, x: Tensor) -> Tensor:
-        if x.shape[0] != 1:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        y = x.new_empty(1, self.out_features)
-        self.ops.row_linear(y.data_ptr(), x.contiguous().data_ptr(), self.plain.data_ptr(), _ptr(self.bias),
-                            self.out_features, self.in_features, torch.get_num_threads())  # fmt: skip
-        return y
-
-
-def _fused(ops: CpuOps, *linears: torch.nn.Linear) -> PackedLinear:
-    """One PackedLinear for several projections of the same input (q|k|v, gate|up). The modules'
-    weights become views of the fused plain copy, so fusing costs no memory."""
-    fused = PackedLinear(ops, torch.cat([lin.weight for lin in linears]), None)
-    biases = [lin.bias for lin in linears]
-    if biases[0] is not None:
-        fused.bias = torch.cat(biases).detach().contiguous()
-    start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight = torch.nn.Parameter(fused.plain[start : start + rows], requires_grad=False)
-        start += rows
-    return fused
+def _fp32(t: Tensor) -> Tensor:
+    return t.detach().float().contiguous()
 
 
 class _Layer:
-    def __init__(self, ops: CpuOps, layer) -> None:
+    def __init__(self, ops: CpuOps, layer, dtype: torch.dtype) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _fused(ops, attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o_proj = PackedLinear(ops, attn.o_proj.weight, attn.o_proj.bias)
-        self.gate_up = _fused(ops, mlp.gate_proj, mlp.up_proj)
-        self.down = PackedLinear(ops, mlp.down_proj.weight, mlp.down_proj.bias)
-        self.input_norm = layer.input_layernorm.weight.detach().contiguous()
-        self.post_norm = layer.post_attention_layernorm.weight.detach().contiguous()
-        self.q_norm = None if attn.q_norm is None else attn.q_norm.weight.detach().contiguous()
-        self.k_norm = None if attn.k_norm is None else attn.k_norm.weight.detach().contiguous()
+        self.qkv = fused(ops, [attn.q_proj, attn.k_proj, attn.v_proj], dtype)
+        self.o_proj = PanelLinear(ops, attn.o_proj.weight, attn.o_proj.bias, dtype)
+        self.gate_up = fused(ops, [mlp.gate_proj, mlp.up_proj], dtype)
+        self.down = PanelLinear(ops, mlp.down_proj.weight, mlp.down_proj.bias, dtype)
+        self.input_norm = _fp32(layer.input_layernorm.weight)
+        self.post_norm = _fp32(layer.post_attention_layernorm.weight)
+        self.q_norm = None if attn.q_norm is None else _fp32(attn.q_norm.weight)
+        self.k_norm = None if attn.k_norm is None else _fp32(attn.k_norm.weight)
+        norms = [
+            m for m in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm) if m
+        ]
+        release(
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+            *norms,
+        )
+
+    @property
+    def resident_bytes(self) -> int:
+        norms = [self.input_norm, self.post_norm, self.q_norm, self.k_norm]
+        linears = (self.qkv, self.o_proj, self.gate_up, self.down)
+        return sum(x.resident_bytes for x in linears) + sum(4 * n.numel() for n in norms if n is not None)
 
 
 def fast_forward_unavailable(model: CausalLM, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -95,10 +78,8 @@ def fast_forward_unavailable(model: CausalLM, device: torch.device, dtype: torch
     config = model.config
     if device.type != "cpu":
         return f"it runs on the CPU only (device {device})"
-    if dtype != torch.float32:
-        return f"its kernels are float32 only (dtype {dtype})"
-    if not torch.backends.mkldnn.is_available():
-        return "this torch build has no oneDNN (mkldnn)"
+    if dtype not in PANEL_DTYPES:
+        return f"its kernels take float32, bfloat16 or float16 weights (dtype {dtype})"
     heads, head_dim = config.num_heads, config.head_dim
     if head_dim > MAX_HEAD_DIM or heads * head_dim > MAX_HEADS_X_DIM or heads > MAX_HEADS_X_DIM // 32:
         return (
@@ -113,22 +94,50 @@ def fast_forward_unavailable(model: CausalLM, device: torch.device, dtype: torch
 
 
 class FastCpuForward:
-    """Owns packed copies of a loaded `CausalLM`'s weights; `__call__` maps one step's inputs
-    to the final-norm hidden rows that sample (in logits_indices order)."""
+    """Owns the packed weights of a loaded `CausalLM` (the module's own copies are released);
+    `__call__` maps one step's inputs to the final-norm hidden rows that sample (in
+    logits_indices order). `variant` names the kernel build that runs (e.g. "avx512bf16")."""
 
     def __init__(self, model: CausalLM) -> None:
         config = model.config
         self.ops: CpuOps = load_cpu_ops()
-        self.embed = model.model.embed_tokens.weight.detach()
-        self.layers = [_Layer(self.ops, layer) for layer in model.model.layers]
-        self.final_norm = model.model.norm.weight.detach().contiguous()
-        head = self.embed if model.lm_head is None else model.lm_head.weight.detach()
-        self.lm_head = PackedLinear(self.ops, head, None)
+        self.variant, self.origin = self.ops.variant, self.ops.origin
+        self.dtype = dtype = model.model.embed_tokens.weight.dtype
+        self.layers = []
+        for layer in model.model.layers:  # pack and release one layer at a time: peak = 1 layer extra
+            self.layers.append(_Layer(self.ops, layer, dtype))
+        self.final_norm = _fp32(model.model.norm.weight)
+        embed = model.model.embed_tokens
+        if model.lm_head is None:  # tied: the lm_head panels also serve the embedding lookup
+            self.lm_head = PanelLinear(self.ops, embed.weight, None, dtype)
+            self.embed_table = None
+        else:
+            self.lm_head = PanelLinear(self.ops, model.lm_head.weight, None, dtype)
+            self.embed_table = embed.weight.detach().contiguous()  # the module's tensor, not a copy
+            release(model.lm_head)
+        release(embed, model.model.norm)
         self.inv_freq = model.rotary.inv_freq
         self.eps = config.rms_norm_eps
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.hidden = config.hidden_size
         self.scale = config.head_dim**-0.5
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        """Bytes of weights this forward holds (panels, norms, an untied embedding table)."""
+        table = 0 if self.embed_table is None else self.embed_table.numel() * self.embed_table.element_size()
+        layers = sum(layer.resident_bytes for layer in self.layers)
+        return layers + self.lm_head.resident_bytes + table + 4 * self.final_norm.numel()
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        if self.embed_table is None:
+            return self.lm_head.gather_rows(ids)
+        out = torch.empty(ids.shape[0], self.hidden)
+        ids = ids.to(torch.int64).contiguous()
+        table = self.embed_table.data_ptr()
+        self.ops.gather_rows(dtype_code(self.dtype), out.data_ptr(), table, ids.data_ptr(), ids.shape[0],
+                             self.hidden, torch.get_num_threads())  # fmt: skip
+        return out
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)
@@ -137,7 +146,7 @@ class FastCpuForward:
         threads = torch.get_num_threads()
         meta = inputs.attention
         num_tokens = inputs.num_tokens
-        x = torch.nn.functional.embedding(inputs.input_ids, self.embed)
+        x = self._embed(inputs.input_ids)
         freqs = inputs.positions[:, None].to(torch.float32) * self.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()  # [T, head_dim / 2]: the reference's first half
         h = torch.empty_like(x)
@@ -173,14 +182,16 @@ class FastCpuForward:
     def _rope_store(self, layer: _Layer, qkv, cos, sin, slots, q, k_cache, v_cache, threads) -> None:
         self.ops.qkv_rope_store(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), _ptr(layer.q_norm),
-            _ptr(layer.k_norm), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qkv.shape[0],
-            self.heads, self.kv_heads, self.head_dim, self.eps, threads,
+            _ptr(layer.k_norm), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            dtype_code(k_cache.dtype), qkv.shape[0], self.heads, self.kv_heads, self.head_dim, self.eps,
+            threads,
         )  # fmt: skip
 
     def _attend(self, q, out, k_cache, v_cache, meta, block_size: int, threads: int) -> None:
         tables = meta.block_tables
         status = self.ops.paged_attention(
-            out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), dtype_code(k_cache.dtype),
+            tables.data_ptr(),
             tables.shape[1], meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), tables.shape[0],
             self.heads, self.kv_heads, self.head_dim, block_size, self.scale, threads,
         )  # fmt: skip

@@ -30,11 +30,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from base.logs import get_logger
 from base.tokenizer import ByteTokenizer
 from worker.model import CausalLM
 from worker.model_config import MODEL_NAME_KEY, TOKENIZER_HINT_KEY, parse_model_config
 
 CACHE_DIR_ENV = "PAGEDKV_CACHE_DIR"
+log = get_logger("pagedkv.worker")
 DEFAULT_PRESET = "default"
 DEFAULT_SEED = 0
 INIT_STD = 0.02
@@ -141,9 +143,16 @@ def ensure_random_model(preset: str = DEFAULT_PRESET, seed: int = DEFAULT_SEED) 
     config = preset_config(preset, seed)
     digest = hashlib.sha256(json.dumps([_FORMAT_VERSION, config], sort_keys=True).encode()).hexdigest()[:12]
     path = cache_root() / f"{preset}-{digest}"
-    if not _is_complete(path):
-        create_random_model(path, preset, seed)
-    return path
+    if _is_complete(path):
+        return path
+    try:
+        return create_random_model(path, preset, seed)
+    except OSError as exc:  # an unusable $PAGEDKV_CACHE_DIR must not stop a start
+        fallback = Path(tempfile.gettempdir()) / f"pagedkv-{os.getuid()}" / "models" / path.name
+        log.warning(
+            "default_model.cache_unwritable", cache=str(path.parent), error=str(exc), using=str(fallback)
+        )
+        return create_random_model(fallback, preset, seed)
 
 
 def default_model_dir() -> Path:

@@ -223,15 +223,27 @@ class Worker:
         )
 
     def _prepare_fast_forward(self) -> FastCpuForward | None:
-        """The fused CPU forward when configured and possible; otherwise the reference model
-        serves (a warning says why, so a slow CPU worker is never a silent surprise)."""
-        if self.device.type != "cpu" or self.config.cpu_kernels != "fast":
+        """The fused CPU forward when configured and possible. With cpu_kernels "auto" the
+        reference serves instead, and the reason is logged once and reported in ModelFacts
+        (a slow CPU worker is never a silent surprise); with "fast" it is a start error."""
+        self.forward_fallback_reason = ""
+        if self.device.type != "cpu" or self.config.cpu_kernels == "reference":
             return None
         reason = fast_forward_unavailable(self.model, self.device, self.dtype)
         if reason is not None:
+            if self.config.cpu_kernels == "fast":
+                raise WorkerConfigError(f"--cpu-kernels fast: the fused CPU forward cannot run: {reason}")
+            self.forward_fallback_reason = reason
             log.warning("worker.cpu_kernels_reference", reason=f"fast CPU forward unavailable: {reason}")
             return None
-        return FastCpuForward(self.model)
+        forward = FastCpuForward(self.model)
+        log.info(
+            "worker.cpu_kernels",
+            variant=forward.variant,
+            origin=forward.origin,
+            weight_mib=round(forward.resident_weight_bytes / 2**20, 1),
+        )
+        return forward
 
     @property
     def forward_kind(self) -> str:
@@ -239,6 +251,13 @@ class Worker:
         if self.device.type == "cuda":
             return "cuda"
         return "cpu-fast" if self.fast_forward is not None else "cpu-reference"
+
+    @property
+    def forward_kernels(self) -> str:
+        """The kernel build that runs, e.g. "avx512bf16 (prebuilt)"; "" for the reference."""
+        if self.fast_forward is not None:
+            return f"{self.fast_forward.variant} ({self.fast_forward.origin})"
+        return "nvrtc" if self.device.type == "cuda" else ""
 
     def _describe(self) -> WorkerInfo:
         config = self.model_config
@@ -261,6 +280,9 @@ class Worker:
             kv_layout=self.config.layout,
             max_concurrent_seqs=self.kv_cache.max_concurrent_seqs,
             tokenizer_kind=tokenizer_kind,
+            forward=self.forward_kind,
+            forward_kernels=self.forward_kernels,
+            forward_fallback_reason=self.forward_fallback_reason,
             tokenizer_json=tokenizer_json,
         )
 

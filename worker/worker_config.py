@@ -15,10 +15,11 @@ max_model_len    cap on positions per sequence; default and ceiling: the model's
 seed             seed of the sampler's generator for requests without their own seed.
 cuda_graph       capture decode steps in CUDA graphs (CUDA device, paged layout only);
                  `pagedkv worker --no-cuda-graph` turns it off (eager decode).
-cpu_kernels      "fast" (default): the fused CPU forward (worker.cpu_forward: packed oneDNN GEMMs,
-                 C kernels built at start); "reference": the plain torch model, the oracle.
-                 Fast needs float32 and a C compiler; without them the worker serves with the
-                 reference and logs why. Ignored on CUDA.
+cpu_kernels      "auto" (default): the fused CPU forward (worker.cpu_forward: panel GEMMs and C
+                 kernels, prebuilt at install or built at start) when it can run here, else
+                 the reference, with one warning saying why; "fast": the fused forward or
+                 refuse to start (the reason is the error); "reference": the plain torch
+                 model, the oracle. Which ran is in ModelFacts.forward. Ignored on CUDA.
 cuda_graph_max_batch_size
                  largest decode batch run through a graph (buckets 1, 2, 4, ... up to it);
                  bigger decode batches and every step with a prefill run eagerly. Match the
@@ -42,7 +43,7 @@ CUDA_KV_MEMORY_FRACTION = 0.8  # of the device memory still free once the weight
 CUDA_ACTIVATION_RESERVE = 1 << 30  # left for activations, logits and the allocator's slack
 RANDOM_MODEL_PREFIX = "random:"
 KV_LAYOUTS = {"paged": KVLayout.PAGED, "contiguous": KVLayout.CONTIGUOUS}
-CPU_KERNELS = ("fast", "reference")
+CPU_KERNELS = ("auto", "fast", "reference")
 
 
 @dataclass(slots=True)
@@ -58,7 +59,7 @@ class WorkerConfig:
     seed: int = 0
     cuda_graph: bool = True
     cuda_graph_max_batch_size: int = 64
-    cpu_kernels: str = "fast"
+    cpu_kernels: str = "auto"
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

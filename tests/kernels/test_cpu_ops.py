@@ -1,7 +1,8 @@
-"""The fast CPU worker's C kernels (kernels/cpu_ops.c) against the torch reference ops they
-replace: attention over random paged layouts (GQA, block sizes, prefill chunks, decode rows),
-the fused q/k-norm + RoPE + KV store, the norms and SiLU-mul; plus the build cache and the
-worker's fallback when no compiler is present."""
+"""The fast CPU worker's C kernels (kernels/cpu_ops.c, cpu_attention.c) against the torch
+reference ops they replace: attention over random paged layouts (GQA, block sizes, prefill
+chunks, decode rows) with fp32, bf16 and fp16 pools, the fused q/k-norm + RoPE + KV store (K/V
+rounded exactly as torch rounds), the norms and SiLU-mul; in every ISA variant this CPU runs
+(the linear layers' kernel: tests/kernels/test_cpu_gemm.py; the build: test_cpu_build.py)."""
 
 from __future__ import annotations
 
@@ -12,22 +13,28 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_build
-from kernels.cpu_build import CpuKernelBuildError, load_cpu_ops
+from tests.cpu_kernels import variant_ops
 from worker.backends.cpu import CpuAttentionBackend
+from worker.cpu_weights import dtype_code
 from worker.rotary import apply_rotary
 
 THREADS = 2
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module")
-def ops():
-    try:
-        return load_cpu_ops()
-    except CpuKernelBuildError as exc:
-        pytest.skip(f"no C toolchain for the CPU kernels: {exc}")
+def all_ops(tmp_path_factory):
+    return variant_ops(tmp_path_factory.mktemp("cpu-variants"))
 
 
-def random_paged_batch(rng: random.Random, q_lens, ctx_lens, heads, kv_heads, dim, block_size):
+@pytest.fixture(params=[v.name for v in cpu_build.machine_variants()])
+def ops(request, all_ops):
+    if request.param not in all_ops:
+        pytest.skip(f"this CPU does not run the {request.param} variant (it runs {', '.join(all_ops)})")
+    return all_ops[request.param]
+
+
+def random_paged_batch(rng, q_lens, ctx_lens, heads, kv_heads, dim, block_size, kv_dtype=torch.float32):
     """Pools holding every sequence's context in shuffled blocks, and the step's queries."""
     tables = []
     blocks = list(range(1, 1 + sum(-(-n // block_size) for n in ctx_lens)))
@@ -40,8 +47,8 @@ def random_paged_batch(rng: random.Random, q_lens, ctx_lens, heads, kv_heads, di
     for row, table in enumerate(tables):
         table_tensor[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
     num_blocks = 1 + sum(len(t) for t in tables)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(kv_dtype)
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
     query = torch.randn(int(qsl[-1]), heads, dim)
@@ -52,7 +59,8 @@ def run_attention(ops, query, k_cache, v_cache, tables, seq_lens, qsl, scale):
     out = torch.full_like(query, float("nan"))
     heads, dim = query.shape[1], query.shape[2]
     status = ops.paged_attention(
-        out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), dtype_code(k_cache.dtype),
+        tables.data_ptr(),
         tables.shape[1], seq_lens.data_ptr(), qsl.data_ptr(), len(seq_lens), heads, k_cache.shape[2],
         dim, k_cache.shape[1], scale, THREADS,
     )  # fmt: skip
@@ -65,17 +73,20 @@ def run_attention(ops, query, k_cache, v_cache, tables, seq_lens, qsl, scale):
     [(8, 4, 64), (4, 1, 32), (4, 4, 128), (6, 2, 48), (2, 1, 16)],
 )
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_paged_attention_matches_reference(ops, heads, kv_heads, dim, block_size):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_paged_attention_matches_reference(ops, heads, kv_heads, dim, block_size, kv_dtype):
+    """16-bit pools widen exactly to fp32 as they are read: the reference runs on the widened
+    pool, so the tolerance is the fp32 one."""
     rng = random.Random(heads * 1000 + dim + block_size)
     # a whole prompt, a chunk starting mid-sequence, decode rows, a sequence with no query
     q_lens = [13, 5, 1, 1, 0, 1]
     ctx_lens = [13, 40, 77, 1, 9, 33]
-    batch = random_paged_batch(rng, q_lens, ctx_lens, heads, kv_heads, dim, block_size)
+    batch = random_paged_batch(rng, q_lens, ctx_lens, heads, kv_heads, dim, block_size, kv_dtype)
     query, k_cache, v_cache, tables, seq_lens, qsl = batch
     scale = dim**-0.5
     got = run_attention(ops, *batch, scale)
     want = CpuAttentionBackend().paged_attention(
-        query, k_cache, v_cache, tables, seq_lens, qsl, scale, max(q_lens), max(ctx_lens)
+        query, k_cache.float(), v_cache.float(), tables, seq_lens, qsl, scale, max(q_lens), max(ctx_lens)
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
@@ -103,7 +114,8 @@ def test_attention_is_bit_identical_across_block_sizes(ops):
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])
-def test_qkv_rope_store_matches_reference(ops, qk_norm):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_qkv_rope_store_matches_reference(ops, qk_norm, kv_dtype):
     tokens, heads, kv_heads, dim, eps = 7, 4, 2, 32, 1e-6
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
     positions = torch.tensor([0, 1, 2, 50, 51, 300, 7])
@@ -112,12 +124,14 @@ def test_qkv_rope_store_matches_reference(ops, qk_norm):
     cos, sin = freqs.cos(), freqs.sin()
     slots = torch.tensor([3, 9, 0, -1, 5, 20, 11])  # -1: padding, stores nothing
     q_w, k_w = torch.rand(dim) + 0.5, torch.rand(dim) + 0.5
-    k_cache, v_cache = torch.zeros(24, kv_heads, dim), torch.zeros(24, kv_heads, dim)
+    k_cache = torch.zeros(24, kv_heads, dim, dtype=kv_dtype)
+    v_cache = torch.zeros(24, kv_heads, dim, dtype=kv_dtype)
     q_out = torch.empty(tokens, heads * dim)
     norms = (q_w.data_ptr(), k_w.data_ptr()) if qk_norm else (None, None)
     ops.qkv_rope_store(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), *norms, q_out.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), tokens, heads, kv_heads, dim, eps, THREADS,
+        k_cache.data_ptr(), v_cache.data_ptr(), dtype_code(kv_dtype), tokens, heads, kv_heads, dim, eps,
+        THREADS,
     )  # fmt: skip
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
     q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
@@ -128,9 +142,11 @@ def test_qkv_rope_store_matches_reference(ops, qk_norm):
     torch.testing.assert_close(q_out.view(tokens, heads, dim), q, rtol=1e-5, atol=1e-5)
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     keep = slots >= 0
-    want_k[slots[keep]], want_v[slots[keep]] = k[keep], v[keep]
-    torch.testing.assert_close(k_cache, want_k, rtol=1e-5, atol=1e-5)
-    assert torch.equal(v_cache, want_v)  # V is copied, never rounded
+    want_k[slots[keep]], want_v[slots[keep]] = k[keep].to(kv_dtype), v[keep].to(kv_dtype)
+    # K went through fp32 RoPE math in a different order: within one rounding step of the pool's dtype
+    ulp = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[kv_dtype]
+    torch.testing.assert_close(k_cache.float(), want_k.float(), rtol=ulp, atol=ulp)
+    assert torch.equal(v_cache, want_v)  # V is rounded to the pool's dtype exactly as torch rounds it
 
 
 def test_norms_and_silu_mul_match_reference(ops):
@@ -148,28 +164,3 @@ def test_norms_and_silu_mul_match_reference(ops):
     ops.silu_mul(activated.data_ptr(), gate_up.data_ptr(), rows, inner, THREADS)
     gate, up = gate_up.chunk(2, dim=1)
     torch.testing.assert_close(activated, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
-
-
-def test_build_is_cached_by_source_compiler_and_cpu(ops, tmp_path):
-    first = cpu_build.build(tmp_path)
-    stamp = first.stat().st_mtime_ns
-    assert cpu_build.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # a hit
-    assert first.name.startswith("cpu-") and list(tmp_path.glob("*.tmp")) == []
-
-
-def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with pytest.raises(CpuKernelBuildError, match="no C compiler"):
-        cpu_build.build(tmp_path)
-
-
-@pytest.mark.parametrize("rows", [1, 2, 64])
-@pytest.mark.parametrize("bias", [True, False])
-def test_packed_linear_matches_f_linear(ops, rows, bias):
-    """One row takes the C GEMV, more take oneDNN's packed GEMM: both are F.linear."""
-    from worker.cpu_forward import PackedLinear
-
-    weight, x = torch.randn(300, 96), torch.randn(rows, 96)
-    b = torch.randn(300) if bias else None
-    got = PackedLinear(ops, weight, b)(x)
-    torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)

@@ -12,13 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
 import torch
 import transformers
 
 from base.plan import ContinuingSequence, NewSequence, Plan, SamplingParams, StepResult
+from tests.cpu_kernels import unavailable
 from worker import Worker, WorkerConfig
-from worker.cpu_forward import fast_forward_unavailable
+from worker.errors import WorkerConfigError
 
 GREEDY = SamplingParams(temperature=0.0)
 VOCAB = 128
@@ -140,15 +140,17 @@ def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rel: float
 
 
 def make_worker(model_dir: Path, block_size: int, **overrides) -> Worker:
-    """A CPU worker on `model_dir`. A test that asks for cpu_kernels="fast" skips (with the
-    reason) where the fast forward cannot run, rather than silently testing the reference."""
+    """A CPU worker on `model_dir`. cpu_kernels="fast" (the worker refuses to start without the
+    fused forward) skips with the reason where it cannot run, or fails where the kernels are
+    required (tests/cpu_kernels.py): never silently a test of the reference."""
     settings = dict(model=str(model_dir), block_size=block_size, num_blocks=1024)
     settings.update(overrides)
-    worker = Worker(WorkerConfig(**settings))
-    if overrides.get("cpu_kernels") == "fast" and worker.forward_kind != "cpu-fast":
-        reason = fast_forward_unavailable(worker.model, worker.device, worker.dtype)
-        pytest.skip(f"fast CPU forward unavailable here: {reason}")
-    return worker
+    try:
+        return Worker(WorkerConfig(**settings))
+    except WorkerConfigError as exc:
+        if overrides.get("cpu_kernels") == "fast" and "--cpu-kernels fast" in str(exc):
+            unavailable(str(exc))
+        raise
 
 
 @dataclass

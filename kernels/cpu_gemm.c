@@ -1,0 +1,307 @@
+/* Linear layers of the fast CPU forward: y[M, N] = x[M, K] W^T + b, for W in fp32, bf16 or fp16,
+ * from ONE resident copy of W that serves every M (the single streaming decode row and batched
+ * steps alike), in a panel layout made once at load (worker/cpu_weights.py packs it):
+ *
+ *   fp32, fp16   W_p[N/64][K][64]             element (n, k) at (n/64 * K + k) * 64 + n % 64
+ *   bf16         W_p[N/64][K/2][64][2]        element (n, k) at (n/64 * K/2 + k/2) * 128
+ *                                                              + n % 64 * 2 + k % 2
+ *   (N padded to a multiple of 64 and bf16's K to even, with zeros)
+ *
+ * A panel holds 64 output columns; its K rows are contiguous, so a decode step (M = 1) reads
+ * each panel as one stream, front to back, and the two threads stream disjoint panel ranges. A
+ * batched step runs the same panels through an MR x 64 register tile (MR rows of x broadcast
+ * against 64 columns of W per k): W is read once per K-chunk and reused from cache by every MR
+ * rows, x by every panel. bf16's pairs of k are interleaved because AVX-512 BF16's vdpbf16ps
+ * multiplies a pair of x (broadcast as one 32-bit lane) by 16 pairs of W per instruction; where
+ * the CPU lacks it, a pair widens to two fp32 vectors with a shift and a mask.
+ *
+ * Numerics: fp32 accumulation throughout. With vdpbf16ps, x is rounded to bf16 first (the
+ * instruction multiplies bf16 by bf16, as a bf16 model's activations are anyway); every other
+ * variant multiplies the fp32 x. Bias (fp32) is added last.
+ */
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "cpu_simd.h"
+
+#define NR 64          /* output columns per panel */
+#define KC_F32 256     /* K rows per cache block: 256 x 64 x 4 B = 64 KiB of W (L2) */
+#define KC_16 512      /* 16-bit weights: 64 KiB too */
+
+/* Register tile per ISA: MR rows x NV vectors of 16 columns. NV x 16 < 64 walks the panel's
+ * 64 columns in NR / (16 NV) groups. Chosen so accumulators + W vectors + broadcasts fit in
+ * the register file (32 zmm / 16 ymm / 32 q / 16 xmm). */
+#if defined(__AVX512F__)
+#define MR 6
+#define NV 4
+#define MR_PAIRS 4 /* bf16 without vdpbf16ps: two widened W vectors per 16 columns */
+#elif defined(__aarch64__)
+#define MR 6
+#define NV 1
+#define MR_PAIRS 4
+#elif defined(__AVX2__)
+#define MR 4
+#define NV 1
+#define MR_PAIRS 2
+#else
+#define MR 2
+#define NV 1
+#define MR_PAIRS 1
+#endif
+
+/* -- register tiles ---------------------------------------------------------------------------
+ * c (row stride ldc) += a (row stride lda) x b, over kc rows of one panel starting at column
+ * group `col` (b points at the panel's first K row of this chunk). mr <= MR rows, ncols <= 16 NV
+ * valid columns to store (the last panel may be padding past N). `start`: the first K chunk
+ * (accumulators start at 0), else they start from c. */
+static ALWAYS_INLINE void tile_load(v16 acc[][NV], const float *c, int64_t ldc, int mr, int ncols,
+                                    int start) {
+    for (int m = 0; m < mr; ++m)
+        for (int v = 0; v < NV; ++v) {
+            if (start) {
+                acc[m][v] = (v16){0};
+            } else if (ncols >= 16 * (v + 1)) {
+                acc[m][v] = load16(c + m * ldc + 16 * v);
+            } else {
+                float tmp[16] = {0};
+                for (int j = 16 * v; j < ncols; ++j) tmp[j - 16 * v] = c[m * ldc + j];
+                acc[m][v] = load16(tmp);
+            }
+        }
+}
+
+static ALWAYS_INLINE void tile_store(v16 acc[][NV], float *c, int64_t ldc, int mr, int ncols) {
+    for (int m = 0; m < mr; ++m)
+        for (int v = 0; v < NV; ++v) {
+            if (ncols >= 16 * (v + 1)) {
+                store16(c + m * ldc + 16 * v, acc[m][v]);
+            } else {
+                float tmp[16];
+                store16(tmp, acc[m][v]);
+                for (int j = 16 * v; j < ncols; ++j) c[m * ldc + j] = tmp[j - 16 * v];
+            }
+        }
+}
+
+static ALWAYS_INLINE void tile_f32(int mr, float *c, int64_t ldc, const float *a, int64_t lda,
+                                   const float *b, int64_t kc, int ncols, int start) {
+    v16 acc[MR][NV];
+    tile_load(acc, c, ldc, mr, ncols, start);
+    for (int64_t k = 0; k < kc; ++k) {
+        v16 w[NV];
+        UNROLL for (int v = 0; v < NV; ++v) w[v] = load16(b + k * NR + 16 * v);
+        UNROLL for (int m = 0; m < mr; ++m) {
+            v16 x = splat16(a[m * lda + k]);
+            UNROLL for (int v = 0; v < NV; ++v) acc[m][v] += x * w[v];
+        }
+    }
+    tile_store(acc, c, ldc, mr, ncols);
+}
+
+static ALWAYS_INLINE void tile_f16(int mr, float *c, int64_t ldc, const float *a, int64_t lda,
+                                   const uint16_t *b, int64_t kc, int ncols, int start) {
+    v16 acc[MR][NV];
+    tile_load(acc, c, ldc, mr, ncols, start);
+    for (int64_t k = 0; k < kc; ++k) {
+        v16 w[NV];
+        UNROLL for (int v = 0; v < NV; ++v) w[v] = load16_f16(b + k * NR + 16 * v);
+        UNROLL for (int m = 0; m < mr; ++m) {
+            v16 x = splat16(a[m * lda + k]);
+            UNROLL for (int v = 0; v < NV; ++v) acc[m][v] += x * w[v];
+        }
+    }
+    tile_store(acc, c, ldc, mr, ncols);
+}
+
+/* bf16 pairs widened: a 64-byte load holds 16 columns' (k, k+1) pairs; the low half of each
+ * 32-bit lane is W[k], the high half W[k+1]. kc counts k rows (even). */
+static ALWAYS_INLINE void tile_bf16_wide(int mr, float *c, int64_t ldc, const float *a, int64_t lda,
+                                         const uint16_t *b, int64_t kc, int ncols, int start) {
+    v16 acc[MR][NV];
+    tile_load(acc, c, ldc, mr, ncols, start);
+    for (int64_t k = 0; k < kc; k += 2) {
+        v16 lo[NV], hi[NV];
+        UNROLL for (int v = 0; v < NV; ++v) {
+            v16w pair;
+            memcpy(&pair, b + k * NR + 32 * v, sizeof pair);
+            lo[v] = as_float16(pair << 16);
+            hi[v] = as_float16(pair & 0xFFFF0000u);
+        }
+        UNROLL for (int m = 0; m < mr; ++m) {
+            v16 x0 = splat16(a[m * lda + k]), x1 = splat16(a[m * lda + k + 1]);
+            UNROLL for (int v = 0; v < NV; ++v) acc[m][v] += x0 * lo[v] + x1 * hi[v];
+        }
+    }
+    tile_store(acc, c, ldc, mr, ncols);
+}
+
+#if defined(__AVX512BF16__)
+/* a16: x rounded to bf16, rows of lda16 (even) elements; one broadcast 32-bit lane = (x[k],
+ * x[k+1]); vdpbf16ps adds x[k] W[k] + x[k+1] W[k+1] to each of 16 fp32 lanes. */
+static ALWAYS_INLINE void tile_bf16_dot(int mr, float *c, int64_t ldc, const uint16_t *a16, int64_t lda16,
+                                        const uint16_t *b, int64_t kc, int ncols, int start) {
+    v16 acc[MR][NV];
+    tile_load(acc, c, ldc, mr, ncols, start);
+    __m512 sums[MR][NV];
+    memcpy(sums, acc, sizeof sums);
+    for (int64_t k = 0; k < kc; k += 2) {
+        __m512bh w[NV];
+        UNROLL for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(b + k * NR + 32 * v);
+        UNROLL for (int m = 0; m < mr; ++m) {
+            int32_t pair;
+            memcpy(&pair, a16 + m * lda16 + k, sizeof pair);
+            __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+            UNROLL for (int v = 0; v < NV; ++v) sums[m][v] = _mm512_dpbf16_ps(sums[m][v], x, w[v]);
+        }
+    }
+    memcpy(acc, sums, sizeof sums);
+    tile_store(acc, c, ldc, mr, ncols);
+}
+#endif
+
+/* -- the loops around the tiles ---------------------------------------------------------------- */
+typedef struct {
+    int dtype;          /* DT_F32 / DT_BF16 / DT_F16 of W */
+    float *c;           /* [M, ldc] */
+    int64_t ldc;
+    const float *a;     /* [M, lda] fp32 */
+    int64_t lda;
+    const uint16_t *a16; /* x rounded to bf16 [M, lda16] (vdpbf16ps only), else NULL */
+    int64_t lda16;
+    const void *w;      /* panels */
+    int64_t m, n, kp;   /* rows, valid columns, K rows of the panels (padded) */
+} Gemm;
+
+/* One tile of rows [row, row + mr) x the column group `col` of panel p, K rows [k0, k0 + kc). */
+static ALWAYS_INLINE void run_tile(const Gemm *g, int mr, int64_t row, int64_t p, int col, int64_t k0,
+                                   int64_t kc) {
+    const int64_t first_col = p * NR + col * 16 * NV;
+    int ncols = (int)(g->n - first_col < 16 * NV ? g->n - first_col : 16 * NV);
+    float *c = g->c + row * g->ldc + first_col;
+    const int start = k0 == 0;
+    const int64_t panel = p * g->kp * NR + col * 16 * NV; /* element offset of (k = 0, col group) */
+    if (g->dtype == DT_F32) {
+        tile_f32(mr, c, g->ldc, g->a + row * g->lda + k0, g->lda, (const float *)g->w + panel + k0 * NR, kc,
+                 ncols, start);
+    } else if (g->dtype == DT_F16) {
+        tile_f16(mr, c, g->ldc, g->a + row * g->lda + k0, g->lda, (const uint16_t *)g->w + panel + k0 * NR,
+                 kc, ncols, start);
+    } else {
+        /* bf16 panels interleave k pairs: (k0, col) sits at k0 * NR + 2 * col offset. */
+        const uint16_t *b = (const uint16_t *)g->w + p * g->kp * NR + k0 * NR + 2 * col * 16 * NV;
+#if defined(__AVX512BF16__)
+        tile_bf16_dot(mr, c, g->ldc, g->a16 + row * g->lda16 + k0, g->lda16, b, kc, ncols, start);
+#else
+        tile_bf16_wide(mr, c, g->ldc, g->a + row * g->lda + k0, g->lda, b, kc, ncols, start);
+#endif
+    }
+}
+
+/* A switch turns the run-time row count into a compile-time one, so each tile is unrolled with
+ * its accumulators in registers. */
+static void run_rows(const Gemm *g, int64_t row, int64_t rows, int64_t p, int col, int64_t k0, int64_t kc) {
+#if defined(__AVX512BF16__)
+    const int mr_max = MR;
+#else
+    const int mr_max = g->dtype == DT_BF16 ? MR_PAIRS : MR;
+#endif
+    for (; rows > 0; row += mr_max, rows -= mr_max) {
+        switch (rows < mr_max ? rows : mr_max) {
+#define TILE_CASE(R) \
+    case R: run_tile(g, R, row, p, col, k0, kc); break;
+            TILE_CASE(1)
+#if MR >= 2
+            TILE_CASE(2)
+#endif
+#if MR >= 3
+            TILE_CASE(3)
+#endif
+#if MR >= 4
+            TILE_CASE(4)
+#endif
+#if MR >= 5
+            TILE_CASE(5)
+#endif
+#if MR >= 6
+            TILE_CASE(6)
+#endif
+#undef TILE_CASE
+        }
+    }
+}
+
+/* x rounded to bf16 pairs for vdpbf16ps: [m, kp] with a zero in the padding column. */
+static uint16_t *round_rows_bf16(const float *a, int64_t lda, int64_t m, int64_t k, int64_t kp, int threads) {
+    uint16_t *out = malloc((size_t)(m * kp + 32) * sizeof(uint16_t));
+    if (!out) return NULL;
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 65536)
+    for (int64_t r = 0; r < m; ++r) {
+        for (int64_t j = 0; j < k; ++j) out[r * kp + j] = bf16_from_float(a[r * lda + j]);
+        for (int64_t j = k; j < kp; ++j) out[r * kp + j] = 0;
+    }
+    return out;
+}
+
+/* y[m, n] (row stride ldc) = x[m, k] (row stride lda) W^T + bias. w: panels of `dtype` (see the
+ * file comment) with kp = k rounded up to the panel's K padding. Threads split the panels.
+ * Returns 0, or -1 if a scratch allocation failed. */
+int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, const void *w, const float *bias,
+              int64_t m, int64_t n, int64_t k, int64_t kp, int threads) {
+    Gemm g = {dtype, y, ldc, x, lda, NULL, 0, w, m, n, kp};
+    uint16_t *rounded = NULL;
+#if defined(__AVX512BF16__)
+    if (dtype == DT_BF16) {
+        rounded = round_rows_bf16(x, lda, m, k, kp, threads);
+        if (!rounded) return -1;
+        g.a16 = rounded, g.lda16 = kp;
+    }
+#else
+    (void)round_rows_bf16;
+    if (dtype == DT_BF16 && kp != k) return -2; /* odd K: the wide path reads x[k] for the pad */
+#endif
+    const int64_t panels = (n + NR - 1) / NR;
+    const int64_t kc_max = dtype == DT_F32 ? KC_F32 : KC_16;
+    const int groups = NR / (16 * NV);
+    const int nthreads = panels >= 2 && m * n * k >= 32768 ? threads : 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        int t = 0, nt = 1;
+#endif
+        const int64_t p_begin = panels * t / nt, p_end = panels * (t + 1) / nt;
+        for (int64_t p = p_begin; p < p_end; ++p)
+            for (int64_t k0 = 0; k0 < kp; k0 += kc_max) {
+                const int64_t kc = kp - k0 < kc_max ? kp - k0 : kc_max;
+                for (int col = 0; col < groups; ++col)
+                    if (p * NR + col * 16 * NV < n) run_rows(&g, 0, m, p, col, k0, kc);
+            }
+        if (bias) {
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; ++r)
+                for (int64_t j = 0; j < n; ++j) y[r * ldc + j] += bias[j];
+        }
+    }
+    free(rounded);
+    return 0;
+}
+
+/* Rows of a weight held as panels (a tied embedding / lm_head): out[i, :] = W[ids[i], :] as fp32. */
+void pk_gather_rows(int dtype, float *out, const void *w, const int64_t *ids, int64_t count, int64_t k,
+                    int64_t kp, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (count >= 16)
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t n = ids[i], base = n / NR * kp * NR;
+        float *o = out + i * k;
+        if (dtype == DT_BF16) {
+            const uint16_t *col = (const uint16_t *)w + base + (n % NR) * 2;
+            for (int64_t j = 0; j < k; ++j) o[j] = float_from_bf16(col[(j / 2) * 2 * NR + (j % 2)]);
+        } else {
+            for (int64_t j = 0; j < k; ++j) o[j] = load1_as(w, base + j * NR + n % NR, dtype);
+        }
+    }
+}

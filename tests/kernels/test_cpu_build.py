@@ -1,0 +1,169 @@
+"""Building and picking the fast CPU kernels (kernels/cpu_build.py): a library is loaded only when
+its key file matches, the variant follows the running CPU's features (never the build host's),
+and every way a build can fail (no compiler, an unwritable cache, a wrapper $CC, clang without
+OpenMP) either works or raises CpuKernelBuildError saying why."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_build
+from kernels.cpu_build import CpuKernelBuildError
+from worker.cpu_weights import PanelLinear
+
+GENERIC = next(v for v in cpu_build.machine_variants() if v.name == "generic")
+
+
+@pytest.fixture
+def cc():
+    found = cpu_build.compiler_command()
+    if found is None:
+        pytest.skip("no C compiler on this machine: the build tests need one (the fallback tests do not)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def generic_lib(tmp_path_factory):
+    cc = cpu_build.compiler_command()
+    if cc is None:
+        pytest.skip("no C compiler on this machine")
+    out = tmp_path_factory.mktemp("generic") / "generic.so"
+    return cpu_build.compile_variant(GENERIC, out, cc)
+
+
+def test_a_build_writes_a_key_and_a_readable_library(generic_lib):
+    key = json.loads(generic_lib.with_suffix(".json").read_text())
+    assert key["variant"] == "generic" and key["sources"] == cpu_build.source_digest()
+    assert key["flags"][: len(cpu_build.BASE_OPTIONS)] == list(cpu_build.BASE_OPTIONS)
+    mode = generic_lib.stat().st_mode
+    assert mode & stat.S_IROTH and mode & stat.S_IXOTH  # an image's service user can load it
+    assert cpu_build.key_matches(generic_lib, GENERIC, None)
+    assert list(generic_lib.parent.glob("*.tmp")) == []
+
+
+def test_a_library_is_not_trusted_by_its_name(generic_lib, tmp_path):
+    copy = tmp_path / "generic.so"
+    shutil.copy(generic_lib, copy)
+    assert not cpu_build.key_matches(copy, GENERIC, None)  # no key file
+    key = json.loads(generic_lib.with_suffix(".json").read_text())
+    for field, value in [("sources", "0" * 64), ("flags", ["-O0"]), ("variant", "avx2"), ("version", 0)]:
+        copy.with_suffix(".json").write_text(json.dumps({**key, field: value}))
+        assert not cpu_build.key_matches(copy, GENERIC, None), field
+    copy.with_suffix(".json").write_text(json.dumps(key))
+    assert cpu_build.key_matches(copy, GENERIC, None)
+    assert not cpu_build.key_matches(copy, GENERIC, "another compiler 99")  # a start-time build's check
+    copy.with_suffix(".json").write_text("{not json")
+    assert not cpu_build.key_matches(copy, GENERIC, None)
+
+
+def test_variants_follow_the_running_cpu(monkeypatch):
+    monkeypatch.delenv(cpu_build.VARIANT_ENV, raising=False)
+    names = [v.name for v in cpu_build.machine_variants()]
+    assert [v.name for v in cpu_build.usable_variants(frozenset())] == ["generic"]
+    everything = frozenset().union(*(v.requires for v in cpu_build.machine_variants()))
+    assert [v.name for v in cpu_build.usable_variants(everything)] == names  # best first
+    if "avx2" in names:
+        avx2_only = cpu_build.VARIANTS["x86_64"][2].requires
+        assert [v.name for v in cpu_build.usable_variants(avx2_only)] == ["avx2", "generic"]
+
+
+def test_a_forced_variant_is_checked_against_the_cpu(monkeypatch):
+    monkeypatch.setenv(cpu_build.VARIANT_ENV, "generic")
+    assert [v.name for v in cpu_build.usable_variants(frozenset())] == ["generic"]
+    best = cpu_build.machine_variants()[0]
+    if best.requires:
+        monkeypatch.setenv(cpu_build.VARIANT_ENV, best.name)
+        with pytest.raises(CpuKernelBuildError, match="needs CPU features this CPU lacks"):
+            cpu_build.usable_variants(frozenset())
+    monkeypatch.setenv(cpu_build.VARIANT_ENV, "sparc")
+    with pytest.raises(CpuKernelBuildError, match="not a variant of this machine"):
+        cpu_build.usable_variants(frozenset())
+
+
+def test_prebuilt_wins_then_a_start_time_build_then_the_cache(monkeypatch, tmp_path, generic_lib):
+    monkeypatch.setenv(cpu_build.VARIANT_ENV, "generic")
+    prebuilt, cache = tmp_path / "prebuilt", tmp_path / "cache"
+    prebuilt.mkdir()
+    for suffix in (".so", ".json"):
+        shutil.copy(generic_lib.with_suffix(suffix), prebuilt / f"generic{suffix}")
+    assert cpu_build.find_or_build(cache, prebuilt)[2] == "prebuilt"
+    (prebuilt / "generic.json").unlink()  # a prebuilt library without a key is ignored
+    path, variant, origin = cpu_build.find_or_build(cache, prebuilt)
+    assert (origin, variant.name, path.parent) == ("built at start", "generic", cache)
+    stamp = path.stat().st_mtime_ns
+    again = cpu_build.find_or_build(cache, prebuilt)
+    assert again[0] == path and again[2] == "cache" and path.stat().st_mtime_ns == stamp
+
+
+def test_no_prebuilt_and_no_compiler_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(CpuKernelBuildError, match="no prebuilt library for these sources, and no C compiler"):
+        cpu_build.find_or_build(tmp_path / "cache", tmp_path / "empty")
+
+
+def test_an_unwritable_cache_is_a_reason_not_a_traceback(monkeypatch, tmp_path, cc):
+    monkeypatch.setenv(cpu_build.VARIANT_ENV, "generic")
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache directory should be")
+    with pytest.raises(CpuKernelBuildError, match="cannot write CPU kernels to"):
+        cpu_build.find_or_build(blocker / "kernels", tmp_path / "empty")
+
+
+def test_a_cc_with_arguments_and_a_launcher_builds(monkeypatch, tmp_path, cc):
+    """CC="ccache gcc -m64": a launcher, a compiler and a flag are a command, not a file name."""
+    monkeypatch.setenv(cpu_build.VARIANT_ENV, "generic")
+    launcher = tmp_path / "launch"  # stands in for ccache: runs the rest of its arguments
+    launcher.write_text('#!/bin/sh\nexec "$@"\n')
+    launcher.chmod(0o755)
+    flag = "-m64" if os.uname().machine == "x86_64" else "-O2"
+    monkeypatch.setenv("CC", f"{launcher} {cc[0]} {flag}")
+    path, _, origin = cpu_build.find_or_build(tmp_path / "cache", tmp_path / "empty")
+    assert origin == "built at start" and path.exists()
+    assert cpu_build.CpuOps(path, "generic", origin).pk_linear is not None
+
+
+def test_clang_builds_the_same_kernels(tmp_path):
+    """The sources are not GCC-only: clang builds them (single-threaded where it has no OpenMP
+    runtime) and the linear kernel gives GCC's results."""
+    clang = shutil.which("clang")
+    if clang is None:
+        pytest.skip("clang is not installed (.ci/run installs it where apt can)")
+    variant = cpu_build.usable_variants()[0]
+    path = cpu_build.compile_variant(variant, tmp_path / f"{variant.name}.so", [clang])
+    ops = cpu_build.CpuOps(path, variant.name, "test")
+    weight, x = torch.randn(100, 64).to(torch.bfloat16), torch.randn(3, 64)
+    got = PanelLinear(ops, weight, None, torch.bfloat16)(x)
+    gcc_ops = cpu_build.load_cpu_ops() if cpu_build.load_cpu_ops().variant == variant.name else None
+    if gcc_ops is not None:
+        want = PanelLinear(gcc_ops, weight, None, torch.bfloat16)(x)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    assert ("single-threaded" in ops.origin) == cpu_build.is_serial(path)
+
+
+def test_prebuild_skips_a_variant_the_compiler_refuses(tmp_path, cc, capsys):
+    """What make setup and pip install run: one variant failing is a message, not a failed install."""
+    refused = cpu_build.Variant("refused", ("-mno-such-option-anywhere",), frozenset())
+    assert cpu_build.prebuild(tmp_path, variants=[refused, GENERIC]) == ["generic"]
+    assert "refused not prebuilt" in capsys.readouterr().err
+    assert cpu_build.key_matches(tmp_path / "generic.so", GENERIC, None)
+
+
+def test_the_installed_prebuilt_kernels_are_current():
+    """make setup prebuilt kernels for this tree; stale ones would silently cost a start-time
+    build (or, on a compiler-less image, the fast path)."""
+    variant = cpu_build.usable_variants()[0]
+    path = cpu_build.PREBUILT_DIR / f"{variant.name}.so"
+    if not path.exists() and cpu_build.compiler_command() is None:
+        pytest.skip("no prebuilt kernels and no compiler here")
+    assert cpu_build.key_matches(path, variant, None), f"{path} is missing or stale: run make setup"
+
+
+def test_sources_are_in_the_key():
+    assert set(cpu_build.SOURCES) | set(cpu_build.HEADERS) <= {p.name for p in Path(cpu_build.HERE).iterdir()}
