@@ -14,6 +14,8 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed-stamp
 PROTO_SRC := $(wildcard protos/pagedkv/v1/*.proto)
 PROTO_STAMP := base/v1/.generated-stamp
+KERNEL_SRC := $(wildcard kernels/cpu_*.c kernels/cpu_*.h) kernels/cpu_build.py
+KERNEL_STAMP := kernels/prebuilt/.stamp
 PYTEST_ARGS ?=
 
 .PHONY: all setup proto run test test-gpu bench bench-quick bench-gpu bench-peer soak device-wheels lint clean
@@ -27,7 +29,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-setup: $(STAMP) $(PROTO_STAMP)
+setup: $(STAMP) $(PROTO_STAMP) $(KERNEL_STAMP)
 
 # Generated code is never committed and never edited by hand: protos/generate.sh writes the
 # stubs to base/v1 (the base layer); `pagedkv.v1` is an alias kept for clients.
@@ -36,6 +38,13 @@ $(PROTO_STAMP): $(PROTO_SRC) protos/generate.sh $(STAMP)
 	touch $@
 
 proto: $(PROTO_STAMP)
+
+# The fast CPU forward's kernels, one library per ISA variant (kernels/cpu_build.py), built ahead
+# of time so that a runtime without a compiler serves on them; the worker picks the variant by
+# the running CPU and rebuilds at start only if these are missing or stale.
+$(KERNEL_STAMP): $(KERNEL_SRC) $(STAMP)
+	$(PY) -m kernels.cpu_build --prebuild
+	touch $@
 
 # The main job: worker + control plane as two supervised processes on the embedded default
 # model (ARGS="--model DIR --device cuda ..." to change). Ctrl-C stops both.
@@ -101,5 +110,5 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) base/v1 build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) base/v1 kernels/prebuilt build *.egg-info .pytest_cache .ruff_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -28,13 +28,9 @@ from torch import Tensor
 
 from kernels.cpu_build import MAX_HEAD_DIM, MAX_HEADS_X_DIM, CpuKernelBuildError, CpuOps, load_cpu_ops
 from worker.batch import ModelInputs
+from worker.cpu_decoder import DecoderStack
 from worker.cpu_weights import PANEL_DTYPES, PanelLinear, dtype_code, fused, release
 from worker.model import CausalLM
-
-
-def _ptr(t: Tensor | None) -> int | None:
-    """A tensor's address for ctypes; None (NULL) for an optional operand left out."""
-    return None if t is None else t.data_ptr()
 
 
 def _fp32(t: Tensor) -> Tensor:
@@ -81,6 +77,10 @@ def fast_forward_unavailable(model: CausalLM, device: torch.device, dtype: torch
     if dtype not in PANEL_DTYPES:
         return f"its kernels take float32, bfloat16 or float16 weights (dtype {dtype})"
     heads, head_dim = config.num_heads, config.head_dim
+    if dtype == torch.bfloat16 and any(
+        k % 2 for k in (config.hidden_size, heads * head_dim, config.intermediate_size)
+    ):
+        return "bf16 panels pair up input features: an odd hidden, attention or MLP width is not supported"
     if head_dim > MAX_HEAD_DIM or heads * head_dim > MAX_HEADS_X_DIM or heads > MAX_HEADS_X_DIM // 32:
         return (
             f"heads x head_dim = {heads} x {head_dim} exceeds the kernels' limits "
@@ -121,6 +121,7 @@ class FastCpuForward:
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.hidden = config.hidden_size
         self.scale = config.head_dim**-0.5
+        self._stack: DecoderStack | None = None
 
     @property
     def resident_weight_bytes(self) -> int:
@@ -143,57 +144,9 @@ class FastCpuForward:
         return self.lm_head(hidden)
 
     def __call__(self, inputs: ModelInputs, kv_cache) -> Tensor:
-        threads = torch.get_num_threads()
-        meta = inputs.attention
-        num_tokens = inputs.num_tokens
+        """The final-norm hidden rows that sample, from one C call for the whole decoder stack
+        (kernels/cpu_decoder.c; worker/cpu_decoder.py builds its view of the layers once)."""
+        if self._stack is None or self._stack.kv_cache is not kv_cache:
+            self._stack = DecoderStack(self, kv_cache)
         x = self._embed(inputs.input_ids)
-        freqs = inputs.positions[:, None].to(torch.float32) * self.inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()  # [T, head_dim / 2]: the reference's first half
-        h = torch.empty_like(x)
-        self.ops.rms_norm(h.data_ptr(), x.data_ptr(), self.layers[0].input_norm.data_ptr(),
-                          num_tokens, self.hidden, self.eps, threads)  # fmt: skip
-        q = x.new_empty(num_tokens, self.heads * self.head_dim)
-        attended = torch.empty_like(q)
-        last = len(self.layers) - 1
-        for index, layer in enumerate(self.layers):
-            k_cache, v_cache = kv_cache.k_caches[index], kv_cache.v_caches[index]
-            qkv = layer.qkv(h)
-            self._rope_store(layer, qkv, cos, sin, meta.slot_mapping, q, k_cache, v_cache, threads)
-            self._attend(q, attended, k_cache, v_cache, meta, kv_cache.addressing_block_size, threads)
-            if index == last:  # only the sampling rows matter past this layer's attention
-                rows = inputs.logits_indices
-                attended, x = attended[rows], x[rows]
-            next_norm = self.final_norm if index == last else self.layers[index + 1].input_norm
-            h = self._add_norm(x, layer.o_proj(attended), layer.post_norm, threads)
-            gate_up = layer.gate_up(h)
-            activated = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-            self.ops.silu_mul(activated.data_ptr(), gate_up.data_ptr(), gate_up.shape[0],
-                              activated.shape[1], threads)  # fmt: skip
-            h = self._add_norm(x, layer.down(activated), next_norm, threads)
-        return h
-
-    def _add_norm(self, residual: Tensor, delta: Tensor, weight: Tensor, threads: int) -> Tensor:
-        """residual += delta (in place); returns rms_norm(residual) * weight."""
-        out = torch.empty_like(residual)
-        self.ops.add_rms_norm(residual.data_ptr(), delta.data_ptr(), out.data_ptr(), weight.data_ptr(),
-                              residual.shape[0], self.hidden, self.eps, threads)  # fmt: skip
-        return out
-
-    def _rope_store(self, layer: _Layer, qkv, cos, sin, slots, q, k_cache, v_cache, threads) -> None:
-        self.ops.qkv_rope_store(
-            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), _ptr(layer.q_norm),
-            _ptr(layer.k_norm), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            dtype_code(k_cache.dtype), qkv.shape[0], self.heads, self.kv_heads, self.head_dim, self.eps,
-            threads,
-        )  # fmt: skip
-
-    def _attend(self, q, out, k_cache, v_cache, meta, block_size: int, threads: int) -> None:
-        tables = meta.block_tables
-        status = self.ops.paged_attention(
-            out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), dtype_code(k_cache.dtype),
-            tables.data_ptr(),
-            tables.shape[1], meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), tables.shape[0],
-            self.heads, self.kv_heads, self.head_dim, block_size, self.scale, threads,
-        )  # fmt: skip
-        if status != 0:
-            raise AssertionError("paged_attention refused a geometry fast_forward_unavailable accepted")
+        return self._stack.run(self.ops, inputs, x, torch.get_num_threads())

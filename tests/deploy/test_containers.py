@@ -45,6 +45,35 @@ def test_images_run_unprivileged_with_a_grpc_healthcheck(dockerfile):
     assert (REPO / "deploy" / "healthcheck.py").stat().st_mode & 0o111  # run directly by probes
 
 
+def test_the_cpu_image_ships_prebuilt_kernels(tmp_path):
+    """The build stage has a compiler and `pip install .` builds the CPU kernels into the venv
+    (setup.py); the compiler-less runtime stage copies that venv. Offline (no Docker engine
+    here): the same pip build of this tree must put every variant with a matching key into
+    the installed kernels/prebuilt, and that prebuilt set must be what the worker picks with
+    no compiler at all."""
+    text = (DOCKER / "Dockerfile").read_text()
+    build, runtime = text.split("\nFROM ${PYTHON_IMAGE}\n", 1)
+    assert re.search(r"apt-get install [^\n]*\bgcc\b", build) and "setup.py" in build
+    assert "COPY --from=build /opt/pagedkv/.venv /opt/pagedkv/.venv" in runtime
+    assert "gcc" not in runtime
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here to run the image's build step")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(tmp_path / "site"), str(REPO)], check=True, timeout=600,
+                   capture_output=True)  # fmt: skip
+    check = (
+        "import sys; from kernels import cpu_build as c; "
+        "path, variant, origin = c.find_or_build(); print(path.parent, variant.name, origin)"
+    )
+    env = {"PATH": "/nonexistent", "CC": "/nonexistent/cc", "PYTHONPATH": str(tmp_path / "site")}
+    done = subprocess.run(
+        [sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    folder, variant, origin = done.stdout.split()
+    assert folder == str(tmp_path / "site" / "kernels" / "prebuilt") and origin == "prebuilt"
+
+
 def _expand_compose(word: str) -> str:
     """${NAME:-default} -> default (what compose does with NAME unset)."""
     return re.sub(r"\$\{\w+:-([^}]*)\}", lambda m: m.group(1), word)

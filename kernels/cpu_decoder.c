@@ -1,0 +1,139 @@
+/* One step of the fast CPU forward's decoder stack in one call: every layer's
+ *
+ *   qkv = Linear(h) ─ q/k norm + RoPE + K/V store ─ paged attention ─ x += Linear_o(a)
+ *   h = rms_norm(x) ─ x += Linear_down(silu(gate) * up) ─ h = rms_norm(x)
+ *
+ * with the last layer's o_proj and MLP run only for the rows that sample. The same kernels as
+ * the per-op path (cpu_gemm.c, cpu_ops.c, cpu_attention.c), driven from C so that a decode
+ * step of a 24-layer model costs one Python call instead of ~220 (each a ctypes call and a
+ * tensor allocation: ~1.5 ms a token at batch 1, several percent of a bandwidth-bound step).
+ *
+ * The layout of PkLayer / PkModel / PkStep is mirrored by ctypes structures in
+ * worker/cpu_decoder.py; change both together (a test compares the field lists).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_simd.h"
+
+int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, const void *w, const float *bias,
+              int64_t m, int64_t n, int64_t k, int64_t kp, int threads);
+void rms_norm(float *out, const float *x, const float *w, int64_t rows, int64_t dim, float eps, int threads);
+void add_rms_norm(float *residual, const float *delta, float *out, const float *w, int64_t rows, int64_t dim,
+                  float eps, int threads);
+void qkv_rope_store(const float *qkv, const float *cos, const float *sin, const int64_t *slots,
+                    const float *q_norm_w, const float *k_norm_w, float *q_out, void *k_cache, void *v_cache,
+                    int kv_dtype, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, float eps,
+                    int threads);
+void silu_mul(float *out, const float *gate_up, int64_t rows, int64_t inner, int threads);
+int paged_attention(float *out, const float *query, const void *k_cache, const void *v_cache, int kv_dtype,
+                    const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
+                    const int32_t *query_start_loc, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
+                    int64_t block_size, float scale, int threads);
+
+typedef struct {
+    const void *w;      /* panels */
+    const float *bias;  /* fp32 [n] or NULL */
+    int64_t n, k, kp;   /* out features, in features, padded K of the panels */
+} PkLinear;
+
+typedef struct {
+    PkLinear qkv, o, gate_up, down;
+    const float *input_norm, *post_norm, *q_norm, *k_norm; /* q/k norms NULL when absent */
+    void *k_cache, *v_cache;
+} PkLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter;
+    int32_t weight_dtype, kv_dtype;
+    float eps, scale;
+    const PkLayer *layers;
+    const float *final_norm;
+} PkModel;
+
+typedef struct {
+    int64_t tokens;
+    const float *cos, *sin;      /* [T, head_dim / 2] */
+    const int64_t *slots;        /* [T] */
+    const int32_t *block_tables; /* [S, table_width] */
+    int64_t table_width;
+    const int32_t *seq_lens, *query_start_loc; /* [S], [S + 1] */
+    int64_t num_seqs, block_size;
+    const int64_t *sample_rows; /* [R]: token rows that sample, in output order */
+    int64_t num_sample_rows;
+} PkStep;
+
+static int linear(const PkModel *m, const PkLinear *l, float *y, const float *x, int64_t rows, int threads) {
+    return pk_linear(m->weight_dtype, y, l->n, x, l->kp, l->w, l->bias, rows, l->n, l->kp, l->kp, threads);
+}
+
+/* Copies rows[i] of src (row width `width`) to row i of dst; dst may alias src (rows ascend). */
+static void gather(float *dst, const float *src, const int64_t *rows, int64_t count, int64_t width) {
+    for (int64_t i = 0; i < count; ++i)
+        if (dst + i * width != src + rows[i] * width)
+            memmove(dst + i * width, src + rows[i] * width, (size_t)width * sizeof(float));
+}
+
+/* The step's fp32 buffers, carved from one scratch block: h [T, D] (normed input of qkv and
+ * gate_up), q and attended [T, H * Dh], wide [T, max(qkv, 2 I, D)] (every linear's output), act
+ * [T, I] (down's input). Widths are the linears' K exactly: layers with padded K are refused. */
+typedef struct {
+    float *h, *q, *attended, *wide, *act;
+    int64_t floats;
+} Buffers;
+
+static Buffers carve(const PkModel *m, int64_t tokens, float *base) {
+    const int64_t D = m->hidden, HD = m->heads * m->head_dim, I = m->inter, qkv = m->layers[0].qkv.n;
+    int64_t wide = qkv > 2 * I ? qkv : 2 * I;
+    wide = wide > D ? wide : D;
+    Buffers b;
+    b.h = base;
+    b.q = b.h + tokens * D;
+    b.attended = b.q + tokens * HD;
+    b.wide = b.attended + tokens * HD;
+    b.act = b.wide + tokens * wide;
+    b.floats = (b.act + tokens * I) - base;
+    return b;
+}
+
+int64_t pk_decoder_scratch_bytes(const PkModel *m, int64_t tokens) {
+    return carve(m, tokens, NULL).floats * (int64_t)sizeof(float);
+}
+
+/* x [T, hidden]: the embeddings in, the residual stream (overwritten). out [R, hidden]: the
+ * final-norm rows that sample. scratch: pk_decoder_scratch_bytes(m, T) bytes. Returns 0, -10
+ * for a layer whose panels pad K (odd K in bf16: the caller runs the per-op path), or the
+ * failing kernel's negative status. */
+int pk_decoder(const PkModel *m, const PkStep *s, float *x, float *out, float *scratch, int threads) {
+    const int64_t T = s->tokens, D = m->hidden, HD = m->heads * m->head_dim, I = m->inter;
+    const Buffers b = carve(m, T, scratch);
+    float *h = b.h, *q = b.q, *attended = b.attended, *wide = b.wide, *act = b.act;
+    rms_norm(h, x, m->layers[0].input_norm, T, D, m->eps, threads);
+    for (int64_t li = 0; li < m->num_layers; ++li) {
+        const PkLayer *L = &m->layers[li];
+        if (L->qkv.kp != L->qkv.k || L->o.kp != L->o.k || L->gate_up.kp != L->gate_up.k || L->down.kp != L->down.k)
+            return -10;
+        int status = linear(m, &L->qkv, wide, h, T, threads);
+        if (status) return status;
+        qkv_rope_store(wide, s->cos, s->sin, s->slots, L->q_norm, L->k_norm, q, L->k_cache, L->v_cache,
+                       m->kv_dtype, T, m->heads, m->kv_heads, m->head_dim, m->eps, threads);
+        status = paged_attention(attended, q, L->k_cache, L->v_cache, m->kv_dtype, s->block_tables, s->table_width,
+                                 s->seq_lens, s->query_start_loc, s->num_seqs, m->heads, m->kv_heads, m->head_dim,
+                                 s->block_size, m->scale, threads);
+        if (status) return status;
+        int64_t rows = T;
+        if (li == m->num_layers - 1) { /* past the last attention only the sampling rows matter */
+            gather(attended, attended, s->sample_rows, s->num_sample_rows, HD);
+            gather(x, x, s->sample_rows, s->num_sample_rows, D);
+            rows = s->num_sample_rows;
+        }
+        const float *next_norm = li == m->num_layers - 1 ? m->final_norm : m->layers[li + 1].input_norm;
+        if ((status = linear(m, &L->o, wide, attended, rows, threads))) return status;
+        add_rms_norm(x, wide, h, L->post_norm, rows, D, m->eps, threads);
+        if ((status = linear(m, &L->gate_up, wide, h, rows, threads))) return status;
+        silu_mul(act, wide, rows, I, threads);
+        if ((status = linear(m, &L->down, wide, act, rows, threads))) return status;
+        add_rms_norm(x, wide, li == m->num_layers - 1 ? out : h, next_norm, rows, D, m->eps, threads);
+    }
+    return 0;
+}
