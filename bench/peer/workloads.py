@@ -47,3 +47,31 @@ def describe(name: str, work: dict) -> str:
         unique = len(prompts[0]) - 384
         return f"{len(prompts)} requests sharing a 384-token prefix (+{unique} unique, {out} out)"
     return f"{len(prompts)} requests x ({len(prompts[0])} prompt + {out} out), submitted at once"
+
+
+# The per-engine figures llama.cpp's own tools measure (../shared/notes/peer-llamacpp-cpu.md):
+# llama-bench -p 256 (prompt), -n 128 -d 256 (decode at depth 256), llama-batched-bench
+# -npp 128 -ntg 128 -npl 16. The same sizes as requests for vLLM and pagedkv.
+FIGURES = {"prompt": 256, "decode": 128, "depth": 256, "streams": 16, "stream_prompt": 128, "stream_out": 128}
+FIGURES_QUICK = {**FIGURES, "streams": 4, "stream_out": 32}
+
+
+def figure_sizes(quick: bool) -> dict:
+    return FIGURES_QUICK if quick else FIGURES
+
+
+def build_figures(quick: bool) -> dict:
+    """Requests measuring FIGURES: "prompt" (one-token requests in turn: prompt tok/s from
+    TTFT), "decode" (requests in turn; the mean gap between tokens after a `depth` prompt)
+    and "streams" (`streams` requests at once, each streamed: kind "concurrent")."""
+    sizes, rng = figure_sizes(quick), random.Random(15)
+    turns = 1 if quick else 3
+    return {
+        "warmup": {"kind": "batch", "max_tokens": 4, "prompts": [_tokens(rng, 16)]},
+        "prompt": {"kind": "stream", "max_tokens": 1,
+                   "prompts": [_tokens(rng, sizes["prompt"]) for _ in range(turns)]},
+        "decode": {"kind": "stream", "max_tokens": sizes["decode"] + 1,
+                   "prompts": [_tokens(rng, sizes["depth"]) for _ in range(turns)]},
+        "streams": {"kind": "concurrent", "max_tokens": sizes["stream_out"],
+                    "prompts": [_tokens(rng, sizes["stream_prompt"]) for _ in range(sizes["streams"])]},
+    }  # fmt: skip
