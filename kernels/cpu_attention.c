@@ -42,40 +42,67 @@ static inline v16 sum16(const v16 a[16]) {
 #undef HI4
 }
 
-/* Scores of one head against a chunk of n <= 16 keys (offsets rows[]), scaled: 16 vector dot
- * products reduced together. dim % 16 == 0. */
-static ALWAYS_INLINE void chunk_scores(float *RESTRICT out, const float *RESTRICT qh, const void *RESTRICT keys,
-                                       const int64_t *RESTRICT rows, int64_t n, int64_t dim, float scale,
-                                       int dtype) {
-    v16 partial[16];
-    for (int64_t j = 0; j < 16; ++j) {
-        v16 acc_j = {0};
-        if (j < n)
-            for (int64_t db = 0; db < dim; db += 16)
-                acc_j += load16(qh + db) * load16_as(keys, rows[j] + db, dtype);
-        partial[j] = acc_j;
-    }
-    v16 sums = sum16(partial) * scale;
-    memcpy(out, &sums, sizeof sums);
-}
-
-/* acc[0..dim) = acc * rescale + sum_j p[j] * V_j, the accumulator held in registers across the
- * chunk (one load and store per chunk instead of per key). dim % 16 == 0, dim <= 256. */
-static ALWAYS_INLINE void chunk_accumulate(float *RESTRICT acc, const float *RESTRICT p,
-                                           const void *RESTRICT values, const int64_t *RESTRICT rows, int64_t n,
-                                           int64_t dim, float rescale, int dtype) {
-    for (int64_t db = 0; db < dim; db += 64) {
-        const int64_t width = dim - db < 64 ? (dim - db) / 16 : 4;
-        v16 a[4];
-        for (int64_t w = 0; w < width; ++w) a[w] = load16(acc + db + 16 * w) * rescale;
-        for (int64_t j = 0; j < n; ++j)
-            for (int64_t w = 0; w < width; ++w) a[w] += p[j] * load16_as(values, rows[j] + db + 16 * w, dtype);
-        for (int64_t w = 0; w < width; ++w) memcpy(acc + db + 16 * w, &a[w], sizeof a[w]);
-    }
-}
-
 #define MAX_HEADS_X_DIM 8192 /* heads * head_dim of one token's accumulators (32 KiB) */
 #define KEY_CHUNK 16
+#define GROUP_BATCH 8 /* query heads scored together against one widened K slice */
+#define MAX_VEC_DIM 256
+
+/* Scores of `nh` (<= GROUP_BATCH) query heads of one kv head (q [nh, dim]) against a chunk of
+ * n <= 16 keys (pool offsets rows[], `keys` already at the kv head): each key's K slice is
+ * widened to fp32 once and dotted with every head, as 16-lane partial sums reduced for all 16
+ * keys at once (sum16). dim % 16 == 0, dim <= MAX_VEC_DIM. out[h][j], scaled. */
+static ALWAYS_INLINE void group_scores(float out[][KEY_CHUNK], const float *RESTRICT q, const void *RESTRICT keys,
+                                       const int64_t *RESTRICT rows, int64_t n, int64_t dim, int64_t nh,
+                                       float scale, int dtype) {
+    v16 partial[GROUP_BATCH][KEY_CHUNK];
+    for (int64_t j = 0; j < KEY_CHUNK; ++j) {
+        if (j >= n) {
+            for (int64_t h = 0; h < nh; ++h) partial[h][j] = (v16){0};
+            continue;
+        }
+        v16 k[MAX_VEC_DIM / 16];
+        for (int64_t v = 0; v < dim / 16; ++v) k[v] = load16_as(keys, rows[j] + 16 * v, dtype);
+        for (int64_t h = 0; h < nh; ++h) {
+            v16 acc = {0};
+            for (int64_t v = 0; v < dim / 16; ++v) acc += load16(q + h * dim + 16 * v) * k[v];
+            partial[h][j] = acc;
+        }
+    }
+    for (int64_t h = 0; h < nh; ++h) {
+        v16 sums = sum16(partial[h]) * scale;
+        memcpy(out[h], &sums, sizeof sums);
+    }
+}
+
+/* acc[h] = acc[h] * rescale[h] + sum_j p[h][j] V_j for the `nh` heads of one kv head, V rows
+ * widened once per chunk (16-bit pools) into `widened`; each head's accumulator is held in
+ * registers across the chunk, 64 columns at a time. dim % 16 == 0. */
+static ALWAYS_INLINE void group_accumulate(float *RESTRICT acc, const float p[][KEY_CHUNK],
+                                           const float *RESTRICT rescale, const void *RESTRICT values,
+                                           const int64_t *RESTRICT rows, int64_t n, int64_t dim, int64_t nh,
+                                           float *RESTRICT widened, int dtype) {
+    const float *v_rows[KEY_CHUNK];
+    for (int64_t j = 0; j < n; ++j) {
+        if (dtype == DT_F32) {
+            v_rows[j] = (const float *)values + rows[j];
+        } else {
+            for (int64_t v = 0; v < dim / 16; ++v) store16(widened + j * dim + 16 * v, load16_as(values, rows[j] + 16 * v, dtype));
+            v_rows[j] = widened + j * dim;
+        }
+    }
+    for (int64_t h = 0; h < nh; ++h) {
+        float *ah = acc + h * dim;
+        for (int64_t db = 0; db < dim; db += 64) {
+            const int64_t width = dim - db < 64 ? (dim - db) / 16 : 4;
+            v16 a[4];
+            for (int64_t w = 0; w < width; ++w) a[w] = load16(ah + db + 16 * w) * rescale[h];
+            for (int64_t j = 0; j < n; ++j)
+                for (int64_t w = 0; w < width; ++w) a[w] += p[h][j] * load16(v_rows[j] + db + 16 * w);
+            for (int64_t w = 0; w < width; ++w) store16(ah + db + 16 * w, a[w]);
+        }
+    }
+}
+
 
 /* The pool offsets of the next min(remaining, KEY_CHUNK) keys, walking (block, offset) with no
  * division per key. Returns how many. */
@@ -101,11 +128,12 @@ static ALWAYS_INLINE void attend_impl(
     int64_t block_size, float scale, int dtype) {
     float acc[MAX_HEADS_X_DIM];
     float max_score[MAX_HEADS_X_DIM / 32], denom[MAX_HEADS_X_DIM / 32];
-    float scores[MAX_HEADS_X_DIM / 32][KEY_CHUNK];
+    float scores[MAX_HEADS_X_DIM / 32][KEY_CHUNK], rescale[MAX_HEADS_X_DIM / 32];
+    float widened[KEY_CHUNK * MAX_VEC_DIM]; /* one chunk of a kv head's V rows, widened to fp32 */
     int64_t rows[KEY_CHUNK]; /* element offset of each chunk key's row in the pools */
     const int64_t group = heads / kv_heads, row_stride = kv_heads * dim;
     const int64_t elem = dtype == DT_F32 ? 4 : 2; /* bytes per pool element */
-    const int vectors = dim % 16 == 0; /* the vector-extension path (every common head_dim) */
+    const int vectors = dim % 16 == 0 && dim <= MAX_VEC_DIM; /* every common head_dim */
     memset(acc, 0, (size_t)(heads * dim) * sizeof(float));
     for (int64_t h = 0; h < heads; ++h) max_score[h] = -INFINITY, denom[h] = 0.f;
     int64_t block = 0, offset = 0, next_rows[KEY_CHUNK];
@@ -121,38 +149,50 @@ static ALWAYS_INLINE void attend_impl(
                 __builtin_prefetch((const char *)k_cache + next_rows[j] * elem + line);
                 __builtin_prefetch((const char *)v_cache + next_rows[j] * elem + line);
             }
-        for (int64_t h = 0; h < heads; ++h) {
-            const float *qh = q + h * dim;
-            const int64_t kv_offset = (h / group) * dim;
-            float *sh = scores[h];
-            if (vectors) {
-                chunk_scores(sh, qh, (const char *)k_cache + kv_offset * elem, rows, n, dim, scale, dtype);
-            } else {
-                for (int64_t j = 0; j < n; ++j) {
-                    float s = 0.f;
-                    for (int64_t d = 0; d < dim; ++d) s += qh[d] * load1_as(k_cache, rows[j] + kv_offset + d, dtype);
-                    sh[j] = s * scale;
+        if (vectors) {
+            for (int64_t c = 0; c < kv_heads; ++c)
+                for (int64_t hb = 0; hb < group; hb += GROUP_BATCH) {
+                    const int64_t h0 = c * group + hb, nh = group - hb < GROUP_BATCH ? group - hb : GROUP_BATCH;
+                    group_scores(scores + h0, q + h0 * dim, (const char *)k_cache + c * dim * elem, rows, n, dim,
+                                 nh, scale, dtype);
                 }
-            }
-            float chunk_max = max_score[h];
+        } else {
+            for (int64_t h = 0; h < heads; ++h)
+                for (int64_t j = 0; j < n; ++j) {
+                    const int64_t kv_offset = (h / group) * dim;
+                    float s = 0.f;
+                    for (int64_t d = 0; d < dim; ++d) s += q[h * dim + d] * load1_as(k_cache, rows[j] + kv_offset + d, dtype);
+                    scores[h][j] = s * scale;
+                }
+        }
+        for (int64_t h = 0; h < heads; ++h) { /* online softmax: scores become probabilities */
+            float *sh = scores[h], chunk_max = max_score[h];
             for (int64_t j = 0; j < n; ++j) chunk_max = sh[j] > chunk_max ? sh[j] : chunk_max;
-            float rescale = exp_approx(max_score[h] - chunk_max); /* ~0 on the first chunk */
+            rescale[h] = exp_approx(max_score[h] - chunk_max); /* ~0 on the first chunk */
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < n; ++j) {
                 sh[j] = exp_approx(sh[j] - chunk_max);
                 sum += sh[j];
             }
-            denom[h] = denom[h] * rescale + sum;
+            denom[h] = denom[h] * rescale[h] + sum;
             max_score[h] = chunk_max;
-            float *ah = acc + h * dim;
-            if (vectors) {
-                chunk_accumulate(ah, sh, (const char *)v_cache + kv_offset * elem, rows, n, dim, rescale, dtype);
-            } else {
-#pragma omp simd
-                for (int64_t d = 0; d < dim; ++d) ah[d] *= rescale;
+        }
+        if (vectors) {
+            for (int64_t c = 0; c < kv_heads; ++c)
+                for (int64_t hb = 0; hb < group; hb += GROUP_BATCH) {
+                    const int64_t h0 = c * group + hb, nh = group - hb < GROUP_BATCH ? group - hb : GROUP_BATCH;
+                    group_accumulate(acc + h0 * dim, scores + h0, rescale + h0, (const char *)v_cache + c * dim * elem,
+                                     rows, n, dim, nh, widened, dtype);
+                }
+        } else {
+            for (int64_t h = 0; h < heads; ++h) {
+                const int64_t kv_offset = (h / group) * dim;
+                float *ah = acc + h * dim;
+                for (int64_t d = 0; d < dim; ++d) ah[d] *= rescale[h];
                 for (int64_t j = 0; j < n; ++j)
-                    for (int64_t d = 0; d < dim; ++d) ah[d] += sh[j] * load1_as(v_cache, rows[j] + kv_offset + d, dtype);
+                    for (int64_t d = 0; d < dim; ++d)
+                        ah[d] += scores[h][j] * load1_as(v_cache, rows[j] + kv_offset + d, dtype);
             }
         }
     }
