@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.peer import llamacpp_driver, report
+from bench.peer import llamacpp_driver, numerics, report
 from bench.peer import summary as summ
 from bench.peer.checkpoint import DTYPES, SHAPES, ensure_checkpoint, weight_bytes_per_token
 from bench.peer.units import (
@@ -62,7 +62,8 @@ def parse_args() -> argparse.Namespace:
                     "workloads, qwen2.5-0.5b for the figures)")  # fmt: skip
     ap.add_argument("--figures-shape", choices=SHAPES, help="the figures part's shape (overrides --shape)")
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of vllm, pagedkv, llamacpp")
-    ap.add_argument("--parts", default="workloads,figures", help="comma list of workloads, figures")
+    ap.add_argument("--parts", default="workloads,figures,numerics",
+                    help="comma list of workloads, figures, numerics (bf16 top-1 vs fp32)")  # fmt: skip
     ap.add_argument(
         "--quants", default=",".join(llamacpp_driver.QUANTS), help="llama.cpp quantized rows ('' none)"
     )
@@ -76,7 +77,7 @@ def parse_args() -> argparse.Namespace:
     args.dtypes = list(DTYPES) if args.dtype == "both" else [args.dtype]
     args.engine_set = set(filter(None, args.engines.split(",")))
     args.part_set = set(filter(None, args.parts.split(",")))
-    unknown = (args.engine_set - set(ENGINES)) | (args.part_set - {"workloads", "figures"})
+    unknown = (args.engine_set - set(ENGINES)) | (args.part_set - {"workloads", "figures", "numerics"})
     if unknown:
         ap.error(f"unknown engine or part: {', '.join(sorted(unknown))}")
     args.quant_list = tuple(filter(None, args.quants.split(","))) if "llamacpp" in args.engine_set else ()
@@ -112,7 +113,7 @@ def prepare(args: argparse.Namespace) -> tuple[Context, str]:
     specs, models = {}, {}
     args.out.mkdir(parents=True, exist_ok=True)
     builders = {"workloads": (build, args.shape), "figures": (build_figures, args.figures_shape)}
-    for part in sorted(args.part_set):
+    for part in sorted(args.part_set - {"numerics"}):
         builder, shape = builders[part]
         specs[part] = args.out / f".peer-spec-{part}.json"
         specs[part].write_text(json.dumps(builder(args.quick)))
@@ -243,6 +244,9 @@ def main() -> None:
         summary["cases"] = workload_cases(args, results, spec)
     if "figures" in specs:
         summary["engine_figures"] = engine_figures(args, results, ctx, specs["figures"])
+    if "numerics" in args.part_set:
+        model = ensure_checkpoint(args.shape, "bfloat16")
+        summary["numerics"] = numerics.run(model, args.peer_python, ctx.vllm_env, args.engine_set)
     summary["ratios"] = report.all_ratios(summary)
     stamp = f"{dt.date.today().isoformat()}-{summary['commit']}"
     (args.out / f"peer-{stamp}.json").write_text(json.dumps(summary, indent=2))

