@@ -223,6 +223,7 @@ class ModelFacts:
     forward: str = ""  # "cpu-fast" | "cpu-reference" | "cuda": what executes plans
     forward_kernels: str = ""  # e.g. "avx512bf16 (prebuilt)"; "" for the reference
     forward_fallback_reason: str = ""  # why the fused CPU forward was wanted but is not running
+    quantization: str = ""  # e.g. "awq (awq-gemm) int4 g128 asym; packed codes"; "" = unquantized
 
 
 @dataclass(slots=True, frozen=True)

@@ -18,6 +18,9 @@
 
 int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, const void *w, const float *bias,
               int64_t m, int64_t n, int64_t k, int64_t kp, int threads);
+int pq_linear(int bits, float *y, int64_t ldc, const float *x, int64_t lda, const uint8_t *codes,
+              const void *scales, int scale_dtype, const uint8_t *zeros, const float *bias, int64_t m, int64_t n,
+              int64_t k, int64_t group, int64_t block, int threads);
 void rms_norm(float *out, const float *x, const float *w, int64_t rows, int64_t dim, float eps, int threads);
 void add_rms_norm(float *residual, const float *delta, float *out, const float *w, int64_t rows, int64_t dim,
                   float eps, int threads);
@@ -32,9 +35,14 @@ int paged_attention(float *out, const float *query, const void *k_cache, const v
                     int64_t block_size, float scale, int threads);
 
 typedef struct {
-    const void *w;      /* panels */
-    const float *bias;  /* fp32 [n] or NULL */
-    int64_t n, k, kp;   /* out features, in features, padded K of the panels */
+    int32_t kind;        /* DT_F32 / DT_BF16 / DT_F16 panels (cpu_gemm.c), or 4 / 8: integer codes (cpu_quant.c) */
+    int32_t scale_dtype; /* quantized: the scales' DT_* */
+    const void *w;       /* panels, or quantized codes */
+    const void *scales;  /* quantized only */
+    const uint8_t *zeros;
+    const float *bias;   /* fp32 [n] or NULL */
+    int64_t n, k, kp;    /* out features, in features, padded K of the panels */
+    int64_t group, block; /* quantized: input features per scale, per activation scale */
 } PkLinear;
 
 typedef struct {
@@ -45,7 +53,7 @@ typedef struct {
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter;
-    int32_t weight_dtype, kv_dtype;
+    int32_t kv_dtype;
     float eps, scale;
     const PkLayer *layers;
     const float *final_norm;
@@ -63,8 +71,11 @@ typedef struct {
     int64_t num_sample_rows;
 } PkStep;
 
-static int linear(const PkModel *m, const PkLinear *l, float *y, const float *x, int64_t rows, int threads) {
-    return pk_linear(m->weight_dtype, y, l->n, x, l->kp, l->w, l->bias, rows, l->n, l->kp, l->kp, threads);
+static int linear(const PkLinear *l, float *y, const float *x, int64_t rows, int threads) {
+    if (l->kind == 4 || l->kind == 8)
+        return pq_linear(l->kind, y, l->n, x, l->k, l->w, l->scales, l->scale_dtype, l->zeros, l->bias, rows, l->n,
+                         l->k, l->group, l->block, threads);
+    return pk_linear(l->kind, y, l->n, x, l->kp, l->w, l->bias, rows, l->n, l->kp, l->kp, threads);
 }
 
 /* Copies rows[i] of src (row width `width`) to row i of dst; dst may alias src (rows ascend). */
@@ -113,7 +124,7 @@ int pk_decoder(const PkModel *m, const PkStep *s, float *x, float *out, float *s
         const PkLayer *L = &m->layers[li];
         if (L->qkv.kp != L->qkv.k || L->o.kp != L->o.k || L->gate_up.kp != L->gate_up.k || L->down.kp != L->down.k)
             return -10;
-        int status = linear(m, &L->qkv, wide, h, T, threads);
+        int status = linear(&L->qkv, wide, h, T, threads);
         if (status) return status;
         qkv_rope_store(wide, s->cos, s->sin, s->slots, L->q_norm, L->k_norm, q, L->k_cache, L->v_cache,
                        m->kv_dtype, T, m->heads, m->kv_heads, m->head_dim, m->eps, threads);
@@ -128,11 +139,11 @@ int pk_decoder(const PkModel *m, const PkStep *s, float *x, float *out, float *s
             rows = s->num_sample_rows;
         }
         const float *next_norm = li == m->num_layers - 1 ? m->final_norm : m->layers[li + 1].input_norm;
-        if ((status = linear(m, &L->o, wide, attended, rows, threads))) return status;
+        if ((status = linear(&L->o, wide, attended, rows, threads))) return status;
         add_rms_norm(x, wide, h, L->post_norm, rows, D, m->eps, threads);
-        if ((status = linear(m, &L->gate_up, wide, h, rows, threads))) return status;
+        if ((status = linear(&L->gate_up, wide, h, rows, threads))) return status;
         silu_mul(act, wide, rows, I, threads);
-        if ((status = linear(m, &L->down, wide, act, rows, threads))) return status;
+        if ((status = linear(&L->down, wide, act, rows, threads))) return status;
         add_rms_norm(x, wide, li == m->num_layers - 1 ? out : h, next_norm, rows, D, m->eps, threads);
     }
     return 0;

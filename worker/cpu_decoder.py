@@ -11,12 +11,17 @@ import torch
 from torch import Tensor
 
 from kernels.cpu_build import CpuOps
+from worker.cpu_quant_weights import QuantLinear
+from worker.cpu_weights import dtype_code
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
 class PkLinear(ctypes.Structure):
-    _fields_ = [("w", _P), ("bias", _P), ("n", _I64), ("k", _I64), ("kp", _I64)]
+    _fields_ = [
+        ("kind", _I32), ("scale_dtype", _I32), ("w", _P), ("scales", _P), ("zeros", _P), ("bias", _P),
+        ("n", _I64), ("k", _I64), ("kp", _I64), ("group", _I64), ("block", _I64),
+    ]  # fmt: skip
 
 
 class PkLayer(ctypes.Structure):
@@ -30,7 +35,7 @@ class PkLayer(ctypes.Structure):
 class PkModel(ctypes.Structure):
     _fields_ = [
         ("num_layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
-        ("inter", _I64), ("weight_dtype", _I32), ("kv_dtype", _I32), ("eps", _F32), ("scale", _F32),
+        ("inter", _I64), ("kv_dtype", _I32), ("eps", _F32), ("scale", _F32),
         ("layers", ctypes.POINTER(PkLayer)), ("final_norm", _P),
     ]  # fmt: skip
 
@@ -48,7 +53,12 @@ def _ptr(t: Tensor | None) -> int | None:
 
 
 def _linear(lin) -> PkLinear:
-    return PkLinear(lin.panels.data_ptr(), _ptr(lin.bias), lin.out_features, lin.in_features, lin.k_pad)
+    """A PanelLinear or QuantLinear as the C struct."""
+    n, k, bias = lin.out_features, lin.in_features, _ptr(lin.bias)
+    if isinstance(lin, QuantLinear):
+        tensors = (lin.codes.data_ptr(), lin.scales.data_ptr(), lin.zeros.data_ptr())
+        return PkLinear(lin.bits, lin.scale_code, *tensors, bias, n, k, k, lin.group, lin.block)
+    return PkLinear(lin.code, 0, lin.panels.data_ptr(), None, None, bias, n, k, lin.k_pad, 0, 0)
 
 
 class DecoderStack:
@@ -63,13 +73,10 @@ class DecoderStack:
             norms = [_ptr(t) for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)]
             pools = [kv_cache.k_caches[i].data_ptr(), kv_cache.v_caches[i].data_ptr()]
             self.layers[i] = PkLayer(*linears, *norms, *pools)
-        from worker.cpu_weights import dtype_code
-
         self.model = PkModel(
             len(forward.layers), forward.hidden, forward.heads, forward.kv_heads, forward.head_dim,
-            forward.layers[0].gate_up.out_features // 2, dtype_code(forward.dtype),
-            dtype_code(kv_cache.k_caches[0].dtype), forward.eps, forward.scale, self.layers,
-            forward.final_norm.data_ptr(),
+            forward.layers[0].gate_up.out_features // 2, dtype_code(kv_cache.k_caches[0].dtype), forward.eps,
+            forward.scale, self.layers, forward.final_norm.data_ptr(),
         )  # fmt: skip
         self._scratch = torch.empty(0)
 

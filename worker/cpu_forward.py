@@ -29,21 +29,41 @@ from torch import Tensor
 from kernels.cpu_build import MAX_HEAD_DIM, MAX_HEADS_X_DIM, CpuKernelBuildError, CpuOps, load_cpu_ops
 from worker.batch import ModelInputs
 from worker.cpu_decoder import DecoderStack
+from worker.cpu_quant_weights import QuantLinear
 from worker.cpu_weights import PANEL_DTYPES, PanelLinear, dtype_code, fused, release
 from worker.model import CausalLM
+from worker.quant.weight import concat_rows
 
 
 def _fp32(t: Tensor) -> Tensor:
     return t.detach().float().contiguous()
 
 
+def _linear(ops: CpuOps, quantized: dict, name: str, module, dtype: torch.dtype):
+    """A layer's kernel: integer codes as they are if the checkpoint quantized it, else panels."""
+    if name in quantized:
+        return QuantLinear(ops, quantized[name], module.bias)
+    return PanelLinear(ops, module.weight, module.bias, dtype)
+
+
+def _fused_linear(ops: CpuOps, quantized: dict, named: list[tuple[str, torch.nn.Linear]], dtype: torch.dtype):
+    """One kernel for projections of the same input (q|k|v, gate|up), quantized or not."""
+    if all(name in quantized for name, _ in named):
+        biases = [m.bias for _, m in named]
+        bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
+        return QuantLinear(ops, concat_rows([quantized[name] for name, _ in named]), bias)
+    return fused(ops, [m for _, m in named], dtype)
+
+
 class _Layer:
-    def __init__(self, ops: CpuOps, layer, dtype: torch.dtype) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = fused(ops, [attn.q_proj, attn.k_proj, attn.v_proj], dtype)
-        self.o_proj = PanelLinear(ops, attn.o_proj.weight, attn.o_proj.bias, dtype)
-        self.gate_up = fused(ops, [mlp.gate_proj, mlp.up_proj], dtype)
-        self.down = PanelLinear(ops, mlp.down_proj.weight, mlp.down_proj.bias, dtype)
+    def __init__(self, ops: CpuOps, layer, index: int, quantized: dict, dtype: torch.dtype) -> None:
+        attn, mlp, prefix = layer.self_attn, layer.mlp, f"model.layers.{index}"
+        qkv = [(f"{prefix}.self_attn.{p}", getattr(attn, p)) for p in ("q_proj", "k_proj", "v_proj")]
+        self.qkv = _fused_linear(ops, quantized, qkv, dtype)
+        self.o_proj = _linear(ops, quantized, f"{prefix}.self_attn.o_proj", attn.o_proj, dtype)
+        gate_up = [(f"{prefix}.mlp.{p}", getattr(mlp, p)) for p in ("gate_proj", "up_proj")]
+        self.gate_up = _fused_linear(ops, quantized, gate_up, dtype)
+        self.down = _linear(ops, quantized, f"{prefix}.mlp.down_proj", mlp.down_proj, dtype)
         self.input_norm = _fp32(layer.input_layernorm.weight)
         self.post_norm = _fp32(layer.post_attention_layernorm.weight)
         self.q_norm = None if attn.q_norm is None else _fp32(attn.q_norm.weight)
@@ -86,10 +106,33 @@ def fast_forward_unavailable(model: CausalLM, device: torch.device, dtype: torch
             f"heads x head_dim = {heads} x {head_dim} exceeds the kernels' limits "
             f"(head_dim <= {MAX_HEAD_DIM}, heads <= {MAX_HEADS_X_DIM // 32}, product <= {MAX_HEADS_X_DIM})"
         )
+    reason = _quantized_unavailable(model)
+    if reason is not None:
+        return reason
     try:
         load_cpu_ops()
     except CpuKernelBuildError as exc:
         return str(exc)
+    return None
+
+
+def _quantized_unavailable(model: CausalLM) -> str | None:
+    """Quantized layers the kernels cannot take: odd input widths or groups, or fused
+    projections (q|k|v, gate|up) of which only some, or differently, are quantized."""
+    quantized = model.quantized
+    for name, weight in quantized.items():
+        if weight.shape[1] % 2 or weight.group_size % 2:
+            return f"{name}: quantized layers need an even input width and group size, got {weight.shape}"
+    for index in range(len(model.model.layers)):
+        for fused_names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            part = "self_attn" if fused_names[0] == "q_proj" else "mlp"
+            names = [f"model.layers.{index}.{part}.{n}" for n in fused_names]
+            present = [quantized[n] for n in names if n in quantized]
+            if present and (
+                len(present) != len(names)
+                or len({(w.bits, w.group_size, w.scales.dtype) for w in present}) > 1
+            ):
+                return f"layer {index}: {', '.join(fused_names)} are not quantized alike (they are one GEMM)"
     return None
 
 
@@ -104,18 +147,20 @@ class FastCpuForward:
         self.variant, self.origin = self.ops.variant, self.ops.origin
         self.dtype = dtype = model.model.embed_tokens.weight.dtype
         self.layers = []
-        for layer in model.model.layers:  # pack and release one layer at a time: peak = 1 layer extra
-            self.layers.append(_Layer(self.ops, layer, dtype))
+        quantized = model.quantized
+        for index, layer in enumerate(model.model.layers):  # pack and release layer by layer: peak = 1 layer
+            self.layers.append(_Layer(self.ops, layer, index, quantized, dtype))
         self.final_norm = _fp32(model.model.norm.weight)
         embed = model.model.embed_tokens
         if model.lm_head is None:  # tied: the lm_head panels also serve the embedding lookup
             self.lm_head = PanelLinear(self.ops, embed.weight, None, dtype)
             self.embed_table = None
         else:
-            self.lm_head = PanelLinear(self.ops, model.lm_head.weight, None, dtype)
+            self.lm_head = _linear(self.ops, quantized, "lm_head", model.lm_head, dtype)
             self.embed_table = embed.weight.detach().contiguous()  # the module's tensor, not a copy
             release(model.lm_head)
         release(embed, model.model.norm)
+        model.quantized = {}  # the kernels hold the packed codes; the unpacked ones are released
         self.inv_freq = model.rotary.inv_freq
         self.eps = config.rms_norm_eps
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim

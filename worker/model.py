@@ -25,6 +25,8 @@ from torch import Tensor, nn
 from worker.batch import AttentionMetadata
 from worker.kv_cache import KVCache
 from worker.model_config import ModelConfig
+from worker.quant.loader import load_quantized, quantized_linears
+from worker.quant.weight import QuantizedWeight
 from worker.rotary import RotaryEmbedding, apply_rotary
 from worker.weights import load_tensors
 
@@ -131,19 +133,38 @@ class CausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary: RotaryEmbedding | None = None
+        self.quantized: dict[str, QuantizedWeight] = {}  # set by from_checkpoint for quantized checkpoints
 
     @classmethod
     def from_checkpoint(
         cls, model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str
     ) -> CausalLM:
         """Load weights without first allocating random ones: the module is built on the meta
-        device, the checkpoint supplies every parameter (checked by name and shape)."""
+        device, the checkpoint supplies every parameter (checked by name and shape).
+
+        A quantized checkpoint's linear layers are decoded into `model.quantized` (module name
+        -> QuantizedWeight) and their `.weight` stays on the meta device: the fast CPU forward
+        packs them as they are; any other forward calls `materialize_quantized` first."""
         with torch.device("meta"):
             model = cls(config)
-        tensors = load_tensors(model_dir, model.expected_tensor_shapes(), dtype, device)
-        model.load_state_dict(tensors, strict=True, assign=True)
+        shapes = model.expected_tensor_shapes()
+        if config.quantization is not None:
+            linears = quantized_linears(model, config.quantization)
+            model.quantized = load_quantized(model_dir, config.quantization, linears)
+            for name in linears:
+                del shapes[f"{name}.weight"]
+        tensors = load_tensors(model_dir, shapes, dtype, device)
+        model.load_state_dict(tensors, strict=False, assign=True)
         model.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
         return model.eval()
+
+    def materialize_quantized(self, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Dequantize every quantized layer into a dense weight (the reference and CUDA forwards
+        run plain linears): exact values, but the memory of an unquantized model."""
+        modules = dict(self.named_modules())
+        for name, weight in self.quantized.items():
+            modules[name].weight = nn.Parameter(weight.dequantize(dtype).to(device), requires_grad=False)
+        self.quantized = {}
 
     def expected_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for name, t in self.state_dict().items()}

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.errors import ModelLoadError
+from worker.quant.scheme import QuantScheme, parse_quant_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -79,6 +80,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     tokenizer_hint: str | None = None
     model_name_hint: str | None = None
+    quantization: QuantScheme | None = None  # config.json's quantization_config, checked
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -131,6 +133,7 @@ def parse_model_config(
         bos_token_id=bos_token_id,
         tokenizer_hint=config.get(TOKENIZER_HINT_KEY),
         model_name_hint=config.get(MODEL_NAME_KEY),
+        quantization=parse_quant_config(config),
     )
 
 

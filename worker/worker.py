@@ -88,8 +88,12 @@ class Worker:
             max_model_len=self.max_model_len,
             contiguous=config.layout == KVLayout.CONTIGUOUS,
         )
+        if self.device.type == "cuda" and self.model.quantized:
+            self.model.materialize_quantized(self.dtype, self.device)  # no CUDA quantized kernels yet
         self.decode_graphs = self._prepare_cuda()
         self.fast_forward = self._prepare_fast_forward()
+        if self.fast_forward is None and self.model.quantized:  # the reference runs dense linears
+            self.model.materialize_quantized(self.dtype, self.device)
         self.mirrors = SequenceMirrors()
         self.sampler = Sampler(config.seed)
         self.instance_id = uuid.uuid4().hex
@@ -283,8 +287,18 @@ class Worker:
             forward=self.forward_kind,
             forward_kernels=self.forward_kernels,
             forward_fallback_reason=self.forward_fallback_reason,
+            quantization=self._quantization(),
             tokenizer_json=tokenizer_json,
         )
+
+    def _quantization(self) -> str:
+        """ModelFacts.quantization: the checkpoint's scheme and how the forward holds it."""
+        scheme = self.model_config.quantization
+        if scheme is None:
+            return ""
+        dense = str(self.dtype).removeprefix("torch.")
+        held = "packed codes" if self.fast_forward is not None else f"dequantized to {dense}"
+        return f"{scheme.describe()}; {held}"
 
 
 def _tokenizer(model_dir: Path, hint: str | None) -> tuple[str, str]:
