@@ -227,3 +227,26 @@ int pq_linear(int bits, float *y, int64_t ldc, const float *x, int64_t lda, cons
     free(xq), free(xs), free(xsum);
     return 0;
 }
+
+/* Rows of a quantized weight (a tied embedding held as int8 codes): out[i, :] = W[ids[i], :]. */
+void pq_gather_rows(int bits, float *out, const uint8_t *codes, const void *scales, int scale_dtype,
+                    const uint8_t *zeros, const int64_t *ids, int64_t count, int64_t k, int64_t group, int threads) {
+    const int64_t pair_bytes = bits == 4 ? 64 : 128, groups = k / group;
+#pragma omp parallel for num_threads(threads) schedule(static) if (count >= 16)
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t n = ids[i], p = n / QNR, c = n % QNR;
+        const uint8_t *panel = codes + p * (k / 2) * pair_bytes;
+        for (int64_t j = 0; j < k; ++j) {
+            const uint8_t *pair = panel + (j / 2) * pair_bytes;
+            int q;
+            if (bits == 4) { /* column 32h + 16 lohi + i2 at byte 32h + 2 i2 + (j % 2), nibble lohi */
+                const int64_t h = c / 32, lohi = (c % 32) / 16, i2 = c % 16;
+                q = (pair[32 * h + 2 * i2 + j % 2] >> (4 * lohi)) & 0xF;
+            } else {
+                q = pair[32 * (c / 16) + 2 * (c % 16) + j % 2];
+            }
+            const int64_t g = (p * groups + j / group) * QNR + c;
+            out[i * k + j] = ((float)q - (float)zeros[g]) * load1_as(scales, g, scale_dtype);
+        }
+    }
+}

@@ -118,6 +118,12 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
         help="CPU forward: fused kernels where they run (else the reference, with a warning), fused "
         "kernels or fail to start, or the plain torch reference (the oracle)",
     )
+    p.add_argument(
+        "--lm-head-int8",
+        action="store_true",
+        help="fused CPU forward: hold the lm_head (or tied embedding) as int8 codes (about half the bytes "
+        "a decoded token reads on small models; logits move by ~1e-3)",
+    )
     if not for_serve:  # serve derives it from --max-num-seqs
         p.add_argument(
             "--cuda-graph-max-batch-size",

@@ -78,6 +78,7 @@ def worker_config_from_args(args):
         cuda_graph=not args.no_cuda_graph,
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
         cpu_kernels=args.cpu_kernels,
+        lm_head_int8=args.lm_head_int8,
     )
     config.validate()
     return config

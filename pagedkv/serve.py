@@ -64,7 +64,8 @@ def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
     logging_flags = ["--log-format", args.log_format, "--log-level", args.log_level]
     worker = [*base, "worker", "--listen", sock, *logging_flags]
     worker_flags = ["model", "device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "kv_layout"]
-    worker += _flags(args, [*worker_flags, "max_model_len", "no_cuda_graph", "cpu_kernels", "shutdown_grace"])
+    worker_flags += ["max_model_len", "no_cuda_graph", "cpu_kernels", "lm_head_int8", "shutdown_grace"]
+    worker += _flags(args, worker_flags)
     # Every decode batch the control plane can form then fits a captured graph.
     worker += ["--cuda-graph-max-batch-size", str(args.max_num_seqs)]
     worker += _metrics_flags(args, worker_metrics_port(args.metrics_port))

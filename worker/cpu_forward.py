@@ -29,7 +29,7 @@ from torch import Tensor
 from kernels.cpu_build import MAX_HEAD_DIM, MAX_HEADS_X_DIM, CpuKernelBuildError, CpuOps, load_cpu_ops
 from worker.batch import ModelInputs
 from worker.cpu_decoder import DecoderStack
-from worker.cpu_quant_weights import QuantLinear
+from worker.cpu_quant_weights import QuantLinear, quantize_int8
 from worker.cpu_weights import PANEL_DTYPES, PanelLinear, dtype_code, fused, release
 from worker.model import CausalLM
 from worker.quant.weight import concat_rows
@@ -141,7 +141,7 @@ class FastCpuForward:
     `__call__` maps one step's inputs to the final-norm hidden rows that sample (in
     logits_indices order). `variant` names the kernel build that runs (e.g. "avx512bf16")."""
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, lm_head_int8: bool = False) -> None:
         config = model.config
         self.ops: CpuOps = load_cpu_ops()
         self.variant, self.origin = self.ops.variant, self.ops.origin
@@ -152,11 +152,19 @@ class FastCpuForward:
             self.layers.append(_Layer(self.ops, layer, index, quantized, dtype))
         self.final_norm = _fp32(model.model.norm.weight)
         embed = model.model.embed_tokens
-        if model.lm_head is None:  # tied: the lm_head panels also serve the embedding lookup
-            self.lm_head = PanelLinear(self.ops, embed.weight, None, dtype)
+        if model.lm_head is None:  # tied: the lm_head's one copy also serves the embedding lookup
+            head = embed.weight
+            self.lm_head = (
+                QuantLinear(self.ops, quantize_int8(head), None)
+                if lm_head_int8
+                else PanelLinear(self.ops, head, None, dtype)
+            )
             self.embed_table = None
         else:
-            self.lm_head = _linear(self.ops, quantized, "lm_head", model.lm_head, dtype)
+            if lm_head_int8 and "lm_head" not in quantized:
+                self.lm_head = QuantLinear(self.ops, quantize_int8(model.lm_head.weight), None)
+            else:
+                self.lm_head = _linear(self.ops, quantized, "lm_head", model.lm_head, dtype)
             self.embed_table = embed.weight.detach().contiguous()  # the module's tensor, not a copy
             release(model.lm_head)
         release(embed, model.model.norm)

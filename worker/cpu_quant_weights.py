@@ -43,6 +43,18 @@ def pack_group_params(t: Tensor) -> Tensor:
     return _pad_rows(t, panels * PANEL).view(panels, PANEL, groups).transpose(1, 2).contiguous()
 
 
+def quantize_int8(weight: Tensor, group: int = ACTIVATION_BLOCK) -> QuantizedWeight:
+    """A dense [N, K] weight as symmetric int8 codes with one fp32 scale per row and group of
+    `group` input features (absmax / 127): what `--lm-head-int8` holds instead of the dense
+    lm_head (llama.cpp keeps Q4_0 files' token embeddings / output at Q8_0 the same way)."""
+    n, k = weight.shape
+    group = math.gcd(k, group)
+    w = weight.detach().float().view(n, k // group, group)
+    scales = (w.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = (torch.round(w / scales[..., None]).clamp(-127, 127) + 128).to(torch.uint8).view(n, k)
+    return QuantizedWeight(codes, scales, torch.full_like(scales, 128, dtype=torch.uint8), 8, group)
+
+
 class QuantLinear:
     """y = x W^T + b with W's integer codes, scales and zeros in the kernel's panel layout."""
 
@@ -72,6 +84,17 @@ class QuantLinear:
         if status != 0:
             raise RuntimeError(f"pq_linear failed ({status})")
         return y
+
+    def gather_rows(self, ids: Tensor) -> Tensor:
+        """Rows W[ids] dequantized to fp32 [len(ids), K]: the embedding lookup of a tied lm_head."""
+        out = torch.empty(ids.shape[0], self.in_features)
+        ids = ids.to(torch.int64).contiguous()
+        self.ops.pq_gather_rows(
+            self.bits, out.data_ptr(), self.codes.data_ptr(), self.scales.data_ptr(), self.scale_code,
+            self.zeros.data_ptr(), ids.data_ptr(), ids.shape[0], self.in_features, self.group,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
 
     @property
     def resident_bytes(self) -> int:

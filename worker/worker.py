@@ -240,7 +240,7 @@ class Worker:
             self.forward_fallback_reason = reason
             log.warning("worker.cpu_kernels_reference", reason=f"fast CPU forward unavailable: {reason}")
             return None
-        forward = FastCpuForward(self.model)
+        forward = FastCpuForward(self.model, lm_head_int8=self.config.lm_head_int8)
         log.info(
             "worker.cpu_kernels",
             variant=forward.variant,

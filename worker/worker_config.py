@@ -20,6 +20,10 @@ cpu_kernels      "auto" (default): the fused CPU forward (worker.cpu_forward: pa
                  the reference, with one warning saying why; "fast": the fused forward or
                  refuse to start (the reason is the error); "reference": the plain torch
                  model, the oracle. Which ran is in ModelFacts.forward. Ignored on CUDA.
+lm_head_int8     hold a dense lm_head (or a tied embedding) as int8 codes, one scale per row and 128
+                 inputs, on the fused CPU forward: ~half of bf16's bytes per decoded token for
+                 the largest layer of small models (llama.cpp keeps Q4_0 files' output at Q8_0
+                 the same way); logits move by ~1e-3 relative. Off by default.
 cuda_graph_max_batch_size
                  largest decode batch run through a graph (buckets 1, 2, 4, ... up to it);
                  bigger decode batches and every step with a prefill run eagerly. Match the
@@ -60,6 +64,7 @@ class WorkerConfig:
     cuda_graph: bool = True
     cuda_graph_max_batch_size: int = 64
     cpu_kernels: str = "auto"
+    lm_head_int8: bool = False
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
