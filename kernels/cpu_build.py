@@ -63,8 +63,13 @@ VARIANTS = {
     "x86_64": (
         Variant(
             "avx512bf16",
-            ("-march=x86-64-v4", "-mavx512bf16", "-mtune=generic"),
-            frozenset(_V4 | {"avx512_bf16"}),
+            ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic"),
+            frozenset(_V4 | {"avx512_bf16", "avx512_vnni"}),
+        ),
+        Variant(
+            "avx512vnni",
+            ("-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"),
+            frozenset(_V4 | {"avx512_vnni"}),
         ),
         Variant("avx512", ("-march=x86-64-v4", "-mtune=generic"), frozenset(_V4)),
         Variant("avx2", ("-march=x86-64-v3", "-mtune=generic"), frozenset(_V3)),

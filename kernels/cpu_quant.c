@@ -12,8 +12,8 @@
  *   y[m, n] += xs[m, b] * s[n, g] * (sum_{k in b} q[n, k] xq[m, k] - z[n, g] * sum_{k in b} xq[m, k])
  *
  * int16 activation codes keep the result within ~1e-4 of the fp32 dequantized layer (int8
- * would cost 3-5 % top-1 agreement on the tiny test models: measured, see
- * tests/worker/test_quantized.py), while the integer inner loop reads 4-bit weights with ~5
+ * cost 3-5 % teacher-forced top-1 agreement on the tiny test models in a fake-quantization
+ * experiment, docs/ARCHITECTURE.md), while the integer inner loop reads 4-bit weights with ~5
  * vector ops per k row of 64 columns: a decode row is close to memory-bound on the packed bytes.
  *
  * Layout (worker/cpu_quant_weights.py packs it), per panel p of 64 output columns, per pair of
@@ -129,10 +129,12 @@ static ALWAYS_INLINE void qtile_block(const QGemm *g, int mr, int64_t row, int64
         const v16 s = load16_as(g->scales, sz + 16 * v, g->scale_dtype);
         v16b8 z8;
         memcpy(&z8, g->zeros + sz + 16 * v, 16);
-        const v16 z = __builtin_convertvector(z8, v16);
+        const v16i z = __builtin_convertvector(z8, v16i);
         for (int m = 0; m < mr; ++m) {
-            const float xs = g->xs[(row + m) * nblk + b], xsum = (float)g->xsum[(row + m) * nblk + b];
-            const v16 partial = (__builtin_convertvector(isum[m][v], v16) - z * xsum) * (s * xs);
+            const float xs = g->xs[(row + m) * nblk + b];
+            /* exact in int32: |sum (q - z) xq| <= 256 * 32767 * 128 < 2^31 */
+            const v16i exact = isum[m][v] - z * g->xsum[(row + m) * nblk + b];
+            const v16 partial = __builtin_convertvector(exact, v16) * (s * xs);
             float *out = g->y + (row + m) * g->ldc + first_col + 16 * v;
             if (ncols >= 16 * (v + 1)) {
                 store16(out, load16(out) + partial);

@@ -10,6 +10,8 @@ checked without a device:
     bound, so grid and shared memory are the same on every replay and the kernels skip
     partitions past each row's real context.
   - `prefill_grid` sizes the tensor-core prefill launch.
+  - `quant_gemv_launch` / `quant_dequant_launch` size the quantized-linear launches;
+    `named_args` packs their arguments by parameter name (checked against the .cu source).
   - `KernelArgs` packs arguments for `cuLaunchKernel(kernelParams=...)`: one ctypes value
     per parameter, in the kernel's declaration order and C type, plus the `void*[]` that
     points at them. Python ints are not self-describing (an `int` vs a `long long` parameter
@@ -27,10 +29,16 @@ from dataclasses import dataclass
 from kernels.specs import (
     COPY_BLOCKS_THREADS,
     DECODE_THREADS,
+    DEQUANT_THREADS,
+    GEMV_ROW_BUCKETS,
     PREFILL_BLOCK_M,
     PREFILL_THREADS,
+    QUANT_ALIGN,
+    QUANT_GEMV_COLS,
+    QUANT_GEMV_THREADS,
     REDUCE_THREADS,
     WRITE_KV_THREADS,
+    codes_per_word,
     decode_smem_bytes,
 )
 
@@ -61,6 +69,21 @@ COPY_BLOCKS_SIGNATURE = (PTR, PTR, I64)
 DECODE_SIGNATURE = (PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, I32, PTR, PTR, I32, I32, I32, F32, I32)
 REDUCE_SIGNATURE = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32)
 PREFILL_SIGNATURE = (PTR, PTR, I64, PTR, PTR, PTR, I32, PTR, PTR, I32, I32, F32)
+# The quantized-linear kernels' parameters by name (quant_linear.cu), for `named_args`.
+QUANT_GEMV_PARAMS = (
+    ("y", PTR), ("x", PTR), ("x_stride", I64), ("qweight", PTR), ("qparams", PTR), ("bias", PTR),
+    ("rows", I32), ("n", I32), ("k", I32), ("group_size", I32),
+)  # fmt: skip
+QUANT_DEQUANT_PARAMS = (
+    ("out", PTR),
+    ("qweight", PTR),
+    ("qparams", PTR),
+    ("n", I32),
+    ("k", I32),
+    ("group_size", I32),
+)
+QUANT_GEMV_SIGNATURE = tuple(ctype for _, ctype in QUANT_GEMV_PARAMS)
+QUANT_DEQUANT_SIGNATURE = tuple(ctype for _, ctype in QUANT_DEQUANT_PARAMS)
 
 
 class KernelArgs:
@@ -302,3 +325,50 @@ def write_kv_launch(num_tokens: int) -> LaunchConfig:
 
 def copy_blocks_launch(num_pairs: int, num_caches: int) -> LaunchConfig:
     return LaunchConfig(grid=(num_pairs, num_caches, 1), block=(COPY_BLOCKS_THREADS, 1, 1))
+
+
+def named_args(params: Sequence[tuple[str, type]], **values: object) -> KernelArgs:
+    """KernelArgs from values given by parameter name: a swapped pair of same-typed arguments
+    (n and k, qweight and qparams) cannot slip through as it could positionally."""
+    names = [name for name, _ in params]
+    if set(values) != set(names):
+        missing, extra = sorted(set(names) - set(values)), sorted(set(values) - set(names))
+        raise ValueError(f"kernel arguments: missing {missing}, unexpected {extra}")
+    return KernelArgs(tuple(ctype for _, ctype in params), [values[name] for name in names])
+
+
+def gemv_rows_bucket(rows: int) -> int | None:
+    """The GEMV instantiation (MR) for `rows` decode rows: the smallest bucket >= rows; None
+    when there are more rows than the largest (dequantize + cuBLAS instead)."""
+    if rows < 1:
+        raise ValueError(f"a GEMV launch needs at least one row, got {rows}")
+    return next((b for b in GEMV_ROW_BUCKETS if b >= rows), None)
+
+
+def quant_shape_problem(n: int, k: int, group_size: int) -> str | None:
+    """Why the quantized-linear kernels cannot take a layer of this shape, or None if they can
+    (a word of codes must not straddle a group, x rows must be 16-byte aligned)."""
+    if n < 1 or k < 1:
+        return f"empty layer ({n} x {k})"
+    if k % QUANT_ALIGN or group_size % QUANT_ALIGN or k % group_size:
+        return f"K = {k} and group size {group_size} must be multiples of {QUANT_ALIGN}, the group dividing K"
+    return None
+
+
+def quant_gemv_launch(n: int) -> LaunchConfig:
+    """One CTA per QUANT_GEMV_COLS output columns (the last tile may be partial)."""
+    return LaunchConfig(grid=(-(-n // QUANT_GEMV_COLS), 1, 1), block=(QUANT_GEMV_THREADS, 1, 1))
+
+
+def quant_dequant_launch(n: int, k: int, bits: int) -> LaunchConfig:
+    """One thread per 32-bit word of codes, DEQUANT_THREADS per CTA."""
+    words = n * (k // codes_per_word(bits))
+    return LaunchConfig(grid=(-(-words // DEQUANT_THREADS), 1, 1), block=(DEQUANT_THREADS, 1, 1))
+
+
+def split_sum_index(values: int, lane: int, j: int = 0) -> int:
+    """Which of a GEMV thread's `values` partial sums lane `lane` holds in slot `j` after
+    quant_linear.cu's warp_split_sum (a mirror of the kernel comment, emulated in the tests)."""
+    if values >= 32:
+        return (values // 32) * lane + j
+    return lane // (32 // values)

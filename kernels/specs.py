@@ -8,10 +8,14 @@ each, chosen from its dtype, head_dim, block_size and GQA group size:
     decode           paged_attention.cu     paged_attention_kernel<T, HD, BS, GT>,
                                             paged_attention_reduce_kernel<T, HD>
     prefill          prefill_attention.cu   prefill_attention_kernel<T, HD, BS>  (fp16/bf16 only)
+    quant linear     quant_linear.cu        quant_gemv_kernel<T, S, BITS, MR> for MR in GEMV_ROW_BUCKETS,
+                                            quant_dequant_kernel<T, S, BITS>
 
 T in {float, f16, bf16}; HD in HEAD_DIMS; BS a power of two up to MAX_BLOCK_SIZE; GT (query
 heads per CTA of the decode kernel) = next power of two >= num_heads / num_kv_heads, capped
 at 8. fp32 prefill runs on the decode kernel (it is correct for any varlen batch).
+Quantized checkpoints add one quant-linear program per (T, scale dtype S, bits) their layers
+use (`quant_linear_program`): S is the checkpoint's scale dtype, kept exactly.
 
 The constants mirrored from the .cu files (thread counts, prefill tiles) are the single
 Python-side source for launch configurations and shared-memory sizes.
@@ -39,6 +43,16 @@ DECODE_THREADS = 128  # kDecodeThreads
 REDUCE_THREADS = 64  # kReduceThreads
 PREFILL_THREADS = 128  # PrefillConfig::kThreads
 PREFILL_BLOCK_M = 64  # PrefillConfig::kBlockM
+QUANT_GEMV_THREADS = 128  # kQuantGemvThreads
+QUANT_GEMV_COLS = 8  # kQuantGemvCols: output columns per GEMV CTA
+DEQUANT_THREADS = 256  # kDequantThreads
+QUANT_BITS = (4, 8)
+# Row-count instantiations of the GEMV (MR): a call with r rows runs the smallest MR >= r, so
+# the padding FMAs never exceed the real ones; more than the last runs dequantize + cuBLAS.
+GEMV_ROW_BUCKETS = (1, 2, 4, 8)
+# K and group_size must be multiples of this (QUANT_ALIGN): a code word never straddles a
+# group, and x rows of 16-bit elements are 16-byte aligned (quant_linear.cu, its header).
+QUANT_ALIGN = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +146,59 @@ def programs_for(geometry: AttentionGeometry) -> list[ProgramSpec]:
     specs = [cache_ops_program(g.dtype), decode_program(g.dtype, g.head_dim, g.block_size, g.group_tile)]
     prefill = prefill_program(g.dtype, g.head_dim, g.block_size)
     return specs if prefill is None else [*specs, prefill]
+
+
+def codes_per_word(bits: int) -> int:
+    return 32 // bits
+
+
+@dataclass(frozen=True, slots=True)
+class QuantLinearSpec:
+    """The compile-time parameters of one family of quantized linear layers."""
+
+    dtype: str  # activations and output: "float32" | "float16" | "bfloat16"
+    scale_dtype: str  # the checkpoint's scales, kept exactly
+    bits: int
+
+    def validate(self) -> None:
+        for field, value in (("dtype", self.dtype), ("scale dtype", self.scale_dtype)):
+            if value not in CXX_TYPES:
+                raise ValueError(
+                    f"unsupported quantized-linear {field} {value!r}; expected one of {', '.join(CXX_TYPES)}"
+                )
+        if self.bits not in QUANT_BITS:
+            raise ValueError(
+                f"unsupported quantized-linear bits {self.bits}; the CUDA kernels support {QUANT_BITS}"
+            )
+
+    def template_args(self) -> str:
+        return f"{CXX_TYPES[self.dtype]}, {CXX_TYPES[self.scale_dtype]}, {self.bits}"
+
+    def gemv_expression(self, rows_bucket: int) -> str:
+        if rows_bucket not in GEMV_ROW_BUCKETS:
+            raise ValueError(f"GEMV row bucket {rows_bucket} is not one of {GEMV_ROW_BUCKETS}")
+        return f"pkv::quant_gemv_kernel<{self.template_args()}, {rows_bucket}>"
+
+    @property
+    def dequant_expression(self) -> str:
+        return f"pkv::quant_dequant_kernel<{self.template_args()}>"
+
+
+def quant_linear_program(spec: QuantLinearSpec) -> ProgramSpec:
+    """Every GEMV row bucket and the dequantize kernel of one (dtype, scale dtype, bits)."""
+    spec.validate()
+    names = tuple(spec.gemv_expression(r) for r in GEMV_ROW_BUCKETS) + (spec.dequant_expression,)
+    return ProgramSpec("quant_linear.cu", names)
+
+
+def quant_programs_for(specs) -> list[ProgramSpec]:
+    """The programs a quantized model's layers launch (one per distinct spec, stable order)."""
+    return [quant_linear_program(s) for s in dict.fromkeys(specs)]
+
+
+def all_quant_linear_specs() -> list[QuantLinearSpec]:
+    """Every instantiation the worker can ask for: each dtype x scale dtype x bits."""
+    return [QuantLinearSpec(t, s, b) for t in CXX_TYPES for s in CXX_TYPES for b in QUANT_BITS]
 
 
 def prefill_block_n(head_dim: int) -> int:

@@ -181,5 +181,6 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """fp32 logits [N, vocab] for the rows of `hidden` that sample (never the whole batch)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()  # a module call: a quantized lm_head has no dense weight

@@ -19,3 +19,21 @@ def checkpoint(tmp_path_factory):
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def quantized(checkpoint, tmp_path_factory):
+    """quantized(spec, family) -> QuantizedCheckpoint (tests/worker/quant_checkpoints.py): the
+    family's tiny checkpoint quantized as `spec` says, with its dequantized HF oracle; built once."""
+    from tests.worker.quant_checkpoints import quantized_checkpoint
+
+    built = {}
+
+    def get(spec, family: str):
+        if (spec, family) not in built:
+            hf_model, base = checkpoint(family)
+            path = tmp_path_factory.mktemp(f"{family}-{spec.name}")
+            built[(spec, family)] = quantized_checkpoint(base, hf_model, spec, path)
+        return built[(spec, family)]
+
+    return get

@@ -1,0 +1,103 @@
+"""The quantized linear kernel (kernels/cpu_quant.c, packed by worker/cpu_quant_weights.py) does
+the math its file comment states, in every ISA variant this CPU runs:
+
+  * activations become int16 codes per row and block of B = gcd(group, 128) inputs, scale
+    xs = absmax / 32767, round to nearest even; the kernel's output equals that emulated in
+    float64 up to fp32 round-off of the per-block fixup;
+  * hence the error against the exact layer x W^T (W dequantized, float64) is bounded, for every
+    output, by the activation rounding alone: |dy[n]| <= sum_b xs_b / 2 * sum_{k in b} |W[n, k]|
+    (plus fp32 round-off). That is the per-layer error the model-level tolerances of
+    tests/worker/test_quantized.py start from: at most 0.5 / 32767 = 1.5e-5 of a block's
+    largest activation per input; on gaussian inputs ~3e-5 of max |y| (rounding errors of
+    std xs / sqrt(12) summed like the products themselves, xs ~ 3 rms(x) / 32767).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import cpu_build
+from tests.cpu_kernels import variant_ops
+from worker.cpu_quant_weights import ACTIVATION_BLOCK, QuantLinear
+from worker.quant.weight import QuantizedWeight
+
+FP32_SLACK = 2.0**-20  # a few fp32 roundings of the block sums, relative to their magnitude
+
+
+@pytest.fixture(scope="module")
+def all_ops(tmp_path_factory):
+    return variant_ops(tmp_path_factory.mktemp("cpu-variants"))
+
+
+@pytest.fixture(params=[v.name for v in cpu_build.machine_variants()])
+def ops(request, all_ops):
+    if request.param not in all_ops:
+        pytest.skip(f"this CPU does not run the {request.param} variant (it runs {', '.join(all_ops)})")
+    return all_ops[request.param]
+
+
+def random_weight(n: int, k: int, bits: int, group: int, dtype: torch.dtype, gen) -> QuantizedWeight:
+    top = 1 << bits
+    codes = torch.randint(0, top, (n, k), generator=gen).to(torch.uint8)
+    scales = (0.01 + 0.05 * torch.rand(n, k // group, generator=gen)).to(dtype)
+    zeros = torch.randint(0, top + 1, (n, k // group), generator=gen).to(torch.uint8)  # GPTQ v1 may reach 2^b
+    return QuantizedWeight(codes, scales, zeros, bits, group)
+
+
+def emulate(x: torch.Tensor, weight: QuantizedWeight, block: int):
+    """(float64 result of the documented int16 math, float64 magnitude of its terms)."""
+    m, k = x.shape
+    xb = x.view(m, k // block, block)
+    scale = xb.abs().amax(-1, keepdim=True) / 32767.0  # fp32, as the kernel computes it
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    xq = torch.round(xb * (1.0 / scale)).clamp(-32767, 32767)  # lrintf: round half to even
+    x_used = (xq.double() * scale.double()).view(m, k)  # exactly what the integer dot multiplies
+    group = weight.group_size
+    zeros = weight.zeros.double().repeat_interleave(group, 1)
+    scales = weight.scales.double().repeat_interleave(group, 1)
+    w = (weight.codes.double() - zeros) * scales
+    terms = (weight.codes.double() + zeros) * scales  # the two integer sums the fixup subtracts
+    x_abs = xq.abs().view(m, k).double() * scale.view(m, -1).double().repeat_interleave(block, 1)
+    return x_used @ w.T, x_abs @ terms.T
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "n, k, group",
+    [(70, 128, 32), (130, 256, 128), (96, 384, 384), (64, 192, 96), (8, 64, 64)],  # partial panels
+)
+def test_pq_linear_is_the_int16_activation_math(ops, bits, dtype, n, k, group):
+    gen = torch.Generator().manual_seed(n * 1000 + k + group + bits)
+    weight = random_weight(n, k, bits, group, dtype, gen)
+    block = math.gcd(group, ACTIVATION_BLOCK)
+    bias = torch.randn(n, generator=gen)
+    layer = QuantLinear(ops, weight, bias)
+    assert layer.block == block
+    for rows in (1, 2, 5, 6, 7, 13):
+        x = torch.randn(rows, k, generator=gen)
+        if rows == 5:  # one-signed activations with an outlier: the zero-point term cancels most
+            x = x.abs() + 1.0
+            x[:, 3] = 40.0
+        got = layer(x).double() - bias.double()
+        emulated, magnitude = emulate(x, weight, block)
+        assert ((got - emulated).abs() <= FP32_SLACK * magnitude + 1e-30).all(), (rows, ops.variant)
+        dense = weight.dequantize(torch.float64)
+        exact = x.double() @ dense.T
+        xs = x.view(rows, k // block, block).abs().amax(-1).double() / 32767  # [rows, blocks]
+        w_abs = dense.abs().view(n, k // block, block).sum(-1)  # [n, blocks]
+        bound = 0.5 * xs @ w_abs.T + FP32_SLACK * magnitude
+        assert ((got - exact).abs() <= bound).all(), (rows, ops.variant)
+
+
+def test_a_layer_is_within_1e_4_of_the_dequantized_one(ops):
+    """docs/ARCHITECTURE.md's claim, on a model-like layer (gaussian inputs, 4-bit, group 128)."""
+    gen = torch.Generator().manual_seed(1)
+    weight = random_weight(512, 512, 4, 128, torch.float16, gen)
+    x = torch.randn(4, 512, generator=gen)
+    got = QuantLinear(ops, weight, None)(x).double()
+    exact = x.double() @ weight.dequantize(torch.float64).T
+    assert (got - exact).abs().max() <= 1e-4 * exact.abs().max()

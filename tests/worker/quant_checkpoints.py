@@ -1,0 +1,330 @@
+"""Quantized test checkpoints and their oracles, written from each format's spec, never from
+worker/quant (the code under test).
+
+Writers: AutoAWQ GEMM and GPTQ (v1 "gptq" and v2 "gptq_v2") are packed here, by round-to-nearest
+quantization of a tiny random model's decoder linears (q/k/v/o/gate/up/down; never embeddings or
+lm_head), in the layout AutoAWQ's WQLinear_GEMM.from_linear and AutoGPTQ's QuantLinear.pack write;
+tests/worker/test_quant_formats.py pins each packer to words worked out by hand. compressed-tensors
+checkpoints are written by the compressed_tensors library itself (apply_quantization_config, its
+min/max qparams, ModelCompressor.compress_model, ModelCompressor.update_config for config.json).
+
+Oracles: `dequantize_layer` turns a checkpoint's tensors (read back from the file) into the dense
+fp32 weight each format's spec defines; `quantized_checkpoint` loads those into a copy of the
+float32 Hugging Face model, the model pagedkv must match.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of word j holds output column 8j + AWQ_ORDER[i]
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    method: str  # "awq" | "gptq" (v1) | "gptq_v2" | "ct" (compressed-tensors)
+    bits: int = 4
+    group: int = 32  # input features per scale; 0 = one group per output channel
+    sym: bool = False
+    ct_format: str = "pack-quantized"  # or "int-quantized" (W8A8)
+    scale_dtype: torch.dtype = torch.float16
+
+    @property
+    def name(self) -> str:
+        group = f"g{self.group}" if self.group else "channel"
+        fmt = "-w8a8" if self.ct_format == "int-quantized" and self.method == "ct" else ""
+        return f"{self.method}{fmt}-int{self.bits}-{group}-{'sym' if self.sym else 'asym'}"
+
+
+LLAMA, QWEN2, QWEN3 = "llama-gqa-derived-head-dim", "qwen2-mqa-bias", "qwen3-head-dim-tied"
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# Every format pagedkv serves, each on one of the three families in turn (Qwen2: biases and a
+# single 16-wide kv head; Qwen3: head_dim 32, q/k norms, tied lm_head; Llama: derived head_dim).
+VARIANTS = [
+    (QuantSpec("awq", 4, 32), QWEN2),
+    (QuantSpec("awq", 4, 64), LLAMA),
+    (QuantSpec("gptq", 4, 32, sym=True), QWEN3),
+    (QuantSpec("gptq", 4, 64), LLAMA),
+    (QuantSpec("gptq", 8, 32, sym=True), QWEN2),
+    (QuantSpec("gptq", 8, 32), QWEN3),
+    (QuantSpec("gptq_v2", 4, 32, sym=True), LLAMA),
+    (QuantSpec("gptq_v2", 4, 64), QWEN2),
+    (QuantSpec("gptq_v2", 8, 0, sym=True), QWEN3),
+    (QuantSpec("gptq_v2", 8, 64), LLAMA),
+    (QuantSpec("ct", 4, 32, sym=True, scale_dtype=BF16), QWEN2),  # W4A16
+    (QuantSpec("ct", 4, 64, sym=False, scale_dtype=FP16), QWEN3),  # W4A16_ASYM
+    (QuantSpec("ct", 4, 0, sym=True, scale_dtype=FP32), LLAMA),
+    (QuantSpec("ct", 4, 0, sym=False, scale_dtype=BF16), QWEN2),
+    (QuantSpec("ct", 8, 32, sym=False, scale_dtype=BF16), QWEN3),  # W8A16
+    (QuantSpec("ct", 8, 0, sym=True, scale_dtype=FP16), QWEN2),
+    (QuantSpec("ct", 8, 0, sym=True, ct_format="int-quantized", scale_dtype=FP32), LLAMA),  # W8A8
+]
+VARIANT_IDS = [f"{spec.name}-{family.split('-')[0]}" for spec, family in VARIANTS]
+
+
+def quantized_layers(model) -> list[str]:
+    """The decoder's linear layers (what AutoAWQ / GPTQ quantize; compressed-tensors ignores lm_head)."""
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.")]
+
+
+# ---- round-to-nearest quantization (GPTQ's Quantizer / AutoAWQ's pseudo_quantize_tensor math) ----
+
+
+def rtn(w: Tensor, bits: int, group: int, sym: bool, scale_dtype: torch.dtype, min_zero: int = 0):
+    """w [N, K] -> codes int64 [N, K] in [0, 2^bits), scales [N, G] (scale_dtype), zeros int64 [N, G].
+    Scales are rounded to their stored dtype before the codes are chosen (what ships is what counts)."""
+    n, k = w.shape
+    group = group or k
+    maxq = (1 << bits) - 1
+    g = w.float().view(n, k // group, group)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    if sym:
+        hi = torch.maximum(hi, -lo)
+        scales = (2 * hi / maxq).clamp(min=1e-5).to(scale_dtype)
+        zeros = torch.full_like(scales, (maxq + 1) // 2, dtype=torch.int64)
+    else:
+        scales = ((hi - lo) / maxq).clamp(min=1e-5).to(scale_dtype)
+        zeros = torch.round(-lo / scales.float()).to(torch.int64).clamp(min_zero, maxq)
+    codes = torch.round(g / scales.float()[..., None]).to(torch.int64) + zeros[..., None]
+    return codes.clamp(0, maxq).view(n, k), scales, zeros
+
+
+# ---- packers: unsigned codes -> int32 words ----
+
+
+def to_int32(words: Tensor) -> Tensor:
+    """int64 words in [0, 2^32) -> the int32 tensors checkpoints store (bit pattern kept)."""
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def pack_awq(t: Tensor) -> Tensor:
+    """[R, C] 4-bit codes -> int32 [R, C / 8]: nibble i (bits 4i..4i+3) of word j holds column
+    8j + AWQ_ORDER[i] (WQLinear_GEMM.from_linear's order_map)."""
+    t = t.to(torch.int64)
+    words = torch.zeros(t.shape[0], t.shape[1] // 8, dtype=torch.int64)
+    for i, column in enumerate(AWQ_ORDER):
+        words |= t[:, column::8] << (4 * i)
+    return to_int32(words)
+
+
+def pack_rows(t: Tensor, bits: int) -> Tensor:
+    """GPTQ qweight: [K, N] codes -> int32 [K * bits / 32, N]; word r of a column holds rows
+    r * (32 / bits) + j at bits j * bits (low bits first)."""
+    per, t = 32 // bits, t.to(torch.int64)
+    words = torch.zeros(t.shape[0] // per, t.shape[1], dtype=torch.int64)
+    for j in range(per):
+        words |= t[j::per] << (bits * j)
+    return to_int32(words)
+
+
+def pack_columns(t: Tensor, bits: int) -> Tensor:
+    """GPTQ qzeros: [G, N] -> int32 [G, N * bits / 32], along N, low bits first."""
+    return pack_rows(t.t(), bits).t().contiguous()
+
+
+# ---- unpackers (the oracle side) ----
+
+
+def _bits(words: Tensor, shift: int, bits: int) -> Tensor:
+    return ((words.to(torch.int64) & 0xFFFFFFFF) >> shift) & ((1 << bits) - 1)
+
+
+def unpack_awq(words: Tensor) -> Tensor:
+    out = torch.empty(words.shape[0], words.shape[1] * 8, dtype=torch.int64)
+    for i, column in enumerate(AWQ_ORDER):
+        out[:, column::8] = _bits(words, 4 * i, 4)
+    return out
+
+
+def unpack_rows(words: Tensor, bits: int) -> Tensor:
+    per = 32 // bits
+    out = torch.empty(words.shape[0] * per, words.shape[1], dtype=torch.int64)
+    for j in range(per):
+        out[j::per] = _bits(words, bits * j, bits)
+    return out
+
+
+# ---- writers: one layer's tensors, by suffix ----
+
+
+def write_awq(w: Tensor, spec: QuantSpec) -> dict[str, Tensor]:
+    codes, scales, zeros = rtn(w, 4, spec.group, False, spec.scale_dtype)
+    return {"qweight": pack_awq(codes.t()), "qzeros": pack_awq(zeros.t()), "scales": scales.t().contiguous()}
+
+
+def write_gptq(w: Tensor, spec: QuantSpec) -> dict[str, Tensor]:
+    v1 = spec.method == "gptq"
+    # v1 stores zero - 1 (AutoGPTQ's pack); a zero of 0 would be stored as -1 and smear into the
+    # neighbouring fields, so v1 writers never produce one (GPTQ's min <= 0 makes it rare anyway).
+    codes, scales, zeros = rtn(w, spec.bits, spec.group, spec.sym, spec.scale_dtype, min_zero=int(v1))
+    k = w.shape[1]
+    return {
+        "qweight": pack_rows(codes.t(), spec.bits),
+        "qzeros": pack_columns(zeros.t() - int(v1), spec.bits),
+        "scales": scales.t().contiguous(),
+        "g_idx": (torch.arange(k) // (spec.group or k)).to(torch.int32),
+    }
+
+
+def gptq_config(spec: QuantSpec) -> dict:
+    """quantization_config as AutoGPTQ (v1) / GPTQModel (v2) write it."""
+    return {
+        "quant_method": "gptq",
+        "bits": spec.bits,
+        "group_size": spec.group or -1,
+        "sym": spec.sym,
+        "desc_act": False,
+        "damp_percent": 0.01,
+        "true_sequential": True,
+        "checkpoint_format": spec.method,
+    }
+
+
+def awq_config(spec: QuantSpec) -> dict:
+    """quantization_config as AutoAWQ writes it."""
+    return {"quant_method": "awq", "bits": 4, "group_size": spec.group, "zero_point": True, "version": "gemm",
+            "modules_to_not_convert": None}  # fmt: skip
+
+
+def ct_quantization_config(spec: QuantSpec):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    strategy = "group" if spec.group else "channel"
+    weights = QuantizationArgs(num_bits=spec.bits, type="int", symmetric=spec.sym, strategy=strategy,
+                               group_size=spec.group or None)  # fmt: skip
+    acts = None
+    if spec.ct_format == "int-quantized":  # W8A8: int8 dynamic per-token activations
+        acts = QuantizationArgs(num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
+    return QuantizationConfig(config_groups={"group_0": scheme}, format=spec.ct_format, ignore=["lm_head"])
+
+
+def write_compressed_tensors(hf_model, spec: QuantSpec, qconfig=None):
+    """The compressed_tensors library quantizes and compresses a copy of `hf_model`: returns its
+    tensors of the quantized layers (module name -> {suffix: tensor}) and the ModelCompressor that
+    writes config.json's quantization_config."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import apply_quantization_config
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    model = copy.deepcopy(hf_model)
+    qconfig = qconfig or ct_quantization_config(spec)
+    apply_quantization_config(model, qconfig, show_progress=False)
+    for _, module in model.named_modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        args, w = scheme.weights, module.weight.data  # min/max per group: llm-compressor's minmax observer
+        groups = w.view(w.shape[0], -1, args.group_size) if args.strategy == "group" else w[:, None, :]
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        module.weight_scale = torch.nn.Parameter(scale.to(spec.scale_dtype), requires_grad=False)
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=qconfig.format)
+    compressor.compress_model(model)
+    state = model.state_dict()
+    out = {}
+    for name in quantized_layers(hf_model):
+        out[name] = {k[len(name) + 1 :]: v.contiguous() for k, v in state.items() if k.startswith(name + ".")}
+        out[name].pop("bias", None)  # biases stay dense tensors, as the base checkpoint has them
+    return out, compressor
+
+
+# ---- oracles: checkpoint tensors -> dense fp32 [N, K] ----
+
+
+def dequantize_layer(spec: QuantSpec, t: dict[str, Tensor]) -> Tensor:
+    """The dense weight [N, K] the format's spec defines, from one layer's tensors (by suffix)."""
+    if spec.method == "awq":  # W[k, n] = (q - z[k // g, n]) * s[k // g, n], stored [K, N]
+        g = t["qweight"].shape[0] // t["scales"].shape[0]
+        q, z = unpack_awq(t["qweight"]), unpack_awq(t["qzeros"]).repeat_interleave(g, 0)
+        return ((q - z) * t["scales"].float().repeat_interleave(g, 0)).t().contiguous()
+    if spec.method in ("gptq", "gptq_v2"):  # groups by g_idx, as GPTQ kernels index them
+        q = unpack_rows(t["qweight"], spec.bits)
+        z = unpack_rows(t["qzeros"].t(), spec.bits).t() + (spec.method == "gptq")
+        g_idx = t["g_idx"].long()
+        return ((q - z[g_idx]) * t["scales"].float()[g_idx]).t().contiguous()
+    if spec.ct_format == "int-quantized":  # W = q * s per output channel
+        return t["weight"].float() * t["weight_scale"].float()
+    n, k = (int(v) for v in t["weight_shape"])
+    offset = 1 << (spec.bits - 1)  # codes are stored as signed value + 2^(bits-1)
+    q = unpack_rows(t["weight_packed"].t(), spec.bits).t()[:, :k] - offset
+    s = t["weight_scale"].float()
+    g = k // s.shape[1]
+    zp = torch.zeros_like(s) if spec.sym else unpack_rows(t["weight_zero_point"], spec.bits)[:n] - offset
+    return (q - zp.repeat_interleave(g, 1)) * s.repeat_interleave(g, 1)
+
+
+def ct_library_dequantize(spec: QuantSpec, t: dict[str, Tensor], qconfig) -> Tensor:
+    """Second oracle for compressed-tensors: the library's own decompressor on the same tensors."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    scheme = qconfig.config_groups["group_0"]
+    compressor = BaseCompressor.get_value_from_registry(spec.ct_format)
+    return compressor.decompress(dict(t), scheme)["weight"].float()
+
+
+# ---- whole checkpoints ----
+
+
+@dataclass
+class QuantizedCheckpoint:
+    path: Path
+    spec: QuantSpec
+    hf_model: object  # float32 transformers model holding the oracle's dense weights
+    tensors: dict[str, dict[str, Tensor]]  # layer -> {suffix: tensor}, as written
+    dense: dict[str, Tensor]  # layer -> oracle weight [N, K]
+    qconfig: object = None  # compressed-tensors: the library's QuantizationConfig
+
+
+def write_quantized(base_dir: Path, path: Path, written: dict, compressor=None, quantization_config=None):
+    """The base checkpoint's tensors with each quantized layer's `.weight` replaced by `written`
+    (layer -> {suffix: tensor}); config.json's quantization_config from the library's compressor
+    (compressed-tensors) or as given."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((base_dir / "config.json").read_text())
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+    state = load_file(str(base_dir / "model.safetensors"))
+    for name, tensors in written.items():
+        del state[f"{name}.weight"]
+        state.update({f"{name}.{suffix}": tensor for suffix, tensor in tensors.items()})
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if compressor is not None:
+        compressor.update_config(str(path))  # the library writes quantization_config itself
+
+
+def quantized_checkpoint(base_dir: Path, hf_model, spec: QuantSpec, path: Path) -> QuantizedCheckpoint:
+    """Write `spec`'s checkpoint of the model in `base_dir` (a dense checkpoint and its fp32 HF
+    model, tests/worker/worker_test_utils.py) to `path`; the oracle reads the tensors back."""
+    layers = quantized_layers(hf_model)
+    if spec.method == "ct":
+        written, compressor = write_compressed_tensors(hf_model, spec)
+        write_quantized(base_dir, path, written, compressor=compressor)
+    else:
+        writer = write_awq if spec.method == "awq" else write_gptq
+        written = {name: writer(hf_model.get_submodule(name).weight.detach(), spec) for name in layers}
+        write_quantized(
+            base_dir,
+            path,
+            written,
+            quantization_config=(awq_config if spec.method == "awq" else gptq_config)(spec),
+        )
+        compressor = None
+    on_disk = load_file(str(path / "model.safetensors"))
+    tensors = {n: {s: on_disk[f"{n}.{s}"] for s in written[n]} for n in layers}
+    dense = {name: dequantize_layer(spec, tensors[name]) for name in layers}
+    oracle = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for name in layers:
+            oracle.get_submodule(name).weight.copy_(dense[name])
+    qconfig = None if compressor is None else compressor.quantization_config
+    return QuantizedCheckpoint(path, spec, oracle.eval(), tensors, dense, qconfig)
