@@ -39,79 +39,10 @@ from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import ClassVar
 
-EARLY_STOPPING = ("heuristic", "on", "never")
-"""Beam search's stopping modes: Hugging Face's early_stopping False (default), True, "never"."""
+from base.sampling import EARLY_STOPPING, SamplingParams  # noqa: F401  (part of the contract)
 
 NULL_BLOCK_ID = 0
 """Block 0 is never allocated to a request and never cached; padded table slots point at it."""
-
-
-@dataclass(slots=True, frozen=True)
-class SamplingParams:
-    """How to pick tokens. Validated by `validate()` at admission (ValueError = caller misuse)."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # (0, 1]
-    top_k: int = 0  # 0 = disabled
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings, matched by the engine on detokenized text
-    ignore_eos: bool = False
-    n: int = 1  # parallel samples, or with beam search the best beams returned
-    logprobs: bool = False
-    beam_width: int = 0  # 0/1 = off; >= 2: beam search over log-probabilities (greedy)
-    length_penalty: float = 1.0  # beam score = cumulative logprob / length ** length_penalty
-    early_stopping: str = "heuristic"  # beam search: "heuristic" | "on" | "never" (HF False/True/"never")
-
-    def for_worker(self) -> SamplingParams:
-        """What travels in a plan: the sampler's fields; stop conditions at their defaults."""
-        return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            n=self.n,
-            logprobs=self.logprobs,
-        )
-
-    @property
-    def is_beam_search(self) -> bool:
-        return self.beam_width > 1
-
-    def validate(self, max_n: int = 16) -> None:
-        if self.is_beam_search:
-            self._validate_beam_search(max_n)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature < float("inf"):  # also refuses NaN
-            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not (1 <= self.n <= max_n):
-            raise ValueError(f"n must be in [1, {max_n}], got {self.n}")
-        if self.seed is not None and not (0 <= self.seed < 2**64):
-            raise ValueError(f"seed must fit in uint64, got {self.seed}")
-
-    def _validate_beam_search(self, max_width: int) -> None:
-        if self.beam_width > max_width:
-            raise ValueError(f"beam_width must be in [2, {max_width}] (0 or 1 = off), got {self.beam_width}")
-        if not (1 <= self.n <= self.beam_width):
-            raise ValueError(
-                f"with beam search n = beams returned, in [1, beam_width={self.beam_width}]; got {self.n}"
-            )
-        if self.temperature != 0.0 or self.top_p != 1.0 or self.top_k != 0 or self.seed is not None:
-            raise ValueError(
-                "beam search is greedy over log-probabilities: leave temperature, top_p, top_k and seed unset"
-            )
-        if self.stop:
-            raise ValueError("stop strings are not supported with beam search; use stop_token_ids")
-        if self.early_stopping not in EARLY_STOPPING:
-            raise ValueError(f"early_stopping must be heuristic, on or never, got {self.early_stopping!r}")
-        if not -1e6 < self.length_penalty < 1e6:  # also refuses NaN
-            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
 
 
 @dataclass(slots=True)
@@ -130,6 +61,16 @@ class NewSequence:
     # Beam search: instead of sampling, return the top this many (token, logprob) of the
     # log-softmax of the last logits, best first (`sample` must be set).
     num_candidates: int = 0
+    # Positions < prompt_len hold prompt tokens, the rest generated ones (a resumed sequence's
+    # chunk carries both): repetition penalties count both, presence/frequency and min_tokens
+    # only generated ones.
+    prompt_len: int = 0
+    # Penalized sampling only: the tokens at positions [0, start_pos) (prefix-cache hits, a
+    # fork's shared prompt), which the worker never computed but must count.
+    history: list[int] = field(default_factory=list)
+    # Prompt logprobs of a chunk that ends before the prompt does: the token after its last
+    # input, whose logprob the chunk's last position gives (None otherwise).
+    next_token: int | None = None
     feed_last_sample: ClassVar[bool] = False  # a new sequence has no sample to feed
 
     @property
@@ -152,6 +93,7 @@ class ContinuingSequence:
     # its last sampling step (token_ids is then empty): overlap scheduling, see the module doc.
     feed_last_sample: bool = False
     num_candidates: int = 0  # beam search: see NewSequence
+    next_token: int | None = None  # prompt logprobs of a non-final chunk: see NewSequence
 
     @property
     def num_inputs(self) -> int:
@@ -182,6 +124,22 @@ class SeqOutput:
     seq_id: int
     token_ids: list[int]
     logprobs: list[float] | None = None  # logprob of each sampled token, when requested
+    # top_logprobs > 0: the k most likely tokens at the sampled position and their logprobs,
+    # k per sampled token, flattened (a fan-out's samples share one distribution)
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens given their prefixes, for positions [first, first + len):
+    `logprobs[i]` is of the token at position first + i; `top_*` k per position, flattened."""
+
+    seq_id: int
+    first: int
+    logprobs: list[float]
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -189,6 +147,7 @@ class StepResult:
     step_id: int
     outputs: list[SeqOutput] = field(default_factory=list)
     forward_seconds: float = 0.0
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 class KVLayout(IntEnum):

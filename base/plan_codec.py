@@ -24,6 +24,7 @@ from base.plan import (
     ModelFacts,
     NewSequence,
     Plan,
+    PromptLogprobs,
     SamplingParams,
     SeqOutput,
     StepResult,
@@ -39,10 +40,22 @@ _PbSampling = epb.SamplingParams
 
 # -- sampling --------------------------------------------------------------------------------
 def encode_sampling(s: SamplingParams) -> epb.SamplingParams:
-    """Only what the sampler needs: stop conditions stay on the control plane."""
-    return _PbSampling(
+    """Only what the sampler needs (`SamplingParams.for_worker()`'s fields)."""
+    m = _PbSampling(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, n=s.n, logprobs=s.logprobs
     )
+    if s.shapes_logits or s.top_logprobs or s.prompt_logprobs is not None:  # rare: keep the hot path lean
+        m.repetition_penalty = s.repetition_penalty
+        m.presence_penalty, m.frequency_penalty, m.min_p = s.presence_penalty, s.frequency_penalty, s.min_p
+        m.min_tokens, m.ignore_eos = s.min_tokens, s.ignore_eos
+        m.stop_token_ids.extend(s.stop_token_ids)
+        for token, bias in s.logit_bias:
+            m.logit_bias[token] = bias
+        m.allowed_token_ids.extend(s.allowed_token_ids)
+        m.top_logprobs = s.top_logprobs
+        if s.prompt_logprobs is not None:
+            m.prompt_logprobs = s.prompt_logprobs
+    return m
 
 
 def decode_sampling(m: epb.SamplingParams) -> SamplingParams:
@@ -54,6 +67,17 @@ def decode_sampling(m: epb.SamplingParams) -> SamplingParams:
         seed=m.seed if m.HasField("seed") else None,
         n=m.n,
         logprobs=m.logprobs,
+        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        min_p=m.min_p,
+        min_tokens=m.min_tokens,
+        stop_token_ids=tuple(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+        logit_bias=tuple(sorted(m.logit_bias.items())),
+        allowed_token_ids=tuple(m.allowed_token_ids),
+        top_logprobs=m.top_logprobs,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
     )
 
 
@@ -73,6 +97,12 @@ def _encode_new(s: NewSequence, m: pb.NewSequence, sampling_cache: dict) -> None
     m.num_samples = s.num_samples
     if s.num_candidates:
         m.num_candidates = s.num_candidates
+    if s.prompt_len:
+        m.prompt_len = s.prompt_len
+    if s.history:
+        m.history.extend(s.history)
+    if s.next_token is not None:
+        m.next_token = s.next_token
 
 
 def encode_plan(plan: Plan, expected_instance_id: str = "") -> pb.Plan:
@@ -101,6 +131,8 @@ def encode_plan(plan: Plan, expected_instance_id: str = "") -> pb.Plan:
             c.feed_last_sample = True
         if s.num_candidates:
             c.num_candidates = s.num_candidates
+        if s.next_token is not None:
+            c.next_token = s.next_token
     if plan.copies:
         m.copies.extend([_PbCopy(src=a, dst=b) for a, b in plan.copies])
     if plan.finished:
@@ -132,6 +164,9 @@ def decode_plan(m: pb.Plan) -> Plan:
                 s.sample_index,
                 s.num_samples,
                 s.num_candidates,
+                s.prompt_len,
+                s.history[:],
+                s.next_token if s.HasField("next_token") else None,
             )
             for s in m.new
         ],
@@ -146,6 +181,7 @@ def decode_plan(m: pb.Plan) -> Plan:
                 s.num_samples,
                 s.feed_last_sample,
                 s.num_candidates,
+                s.next_token if s.HasField("next_token") else None,
             )
             for s in m.continuing
         ],
@@ -164,14 +200,35 @@ def encode_result(r: StepResult) -> pb.StepResult:
         out.token_ids.extend(o.token_ids)
         if o.logprobs:
             out.logprobs.extend(o.logprobs)
+        if o.top_ids:
+            out.top_ids.extend(o.top_ids)
+            out.top_logprobs.extend(o.top_logprobs)
+    for p in r.prompt_logprobs:
+        entry = m.prompt_logprobs.add(seq_id=p.seq_id, first=p.first, logprobs=p.logprobs)
+        if p.top_ids:
+            entry.top_ids.extend(p.top_ids)
+            entry.top_logprobs.extend(p.top_logprobs)
     return m
 
 
 def decode_result(m: pb.StepResult) -> StepResult:
     return StepResult(
         m.step_id,
-        [SeqOutput(o.seq_id, o.token_ids[:], o.logprobs[:] or None) for o in m.outputs],
+        [
+            SeqOutput(
+                o.seq_id,
+                o.token_ids[:],
+                o.logprobs[:] or None,
+                o.top_ids[:] or None,
+                o.top_logprobs[:] or None,
+            )  # fmt: skip
+            for o in m.outputs
+        ],
         m.forward_seconds,
+        [
+            PromptLogprobs(p.seq_id, p.first, p.logprobs[:], p.top_ids[:] or None, p.top_logprobs[:] or None)
+            for p in m.prompt_logprobs
+        ],
     )
 
 

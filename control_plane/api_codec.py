@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from base.plan import KVLayout, SamplingParams, WorkerInfo
 from base.plan_codec import encode_facts
+from base.sampling import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS
 from base.v1 import engine_pb2 as pb
 from control_plane import limits
 from control_plane.errors import InvalidRequestError
@@ -23,6 +24,13 @@ _GenerateResponse = pb.GenerateResponse
 def decode_sampling(m: pb.SamplingParams) -> SamplingParams:
     if m.max_tokens < 1:
         raise InvalidRequestError("sampling.max_tokens must be >= 1 (tokens to generate per sample)")
+    # sizes before anything is built from them (their ranges: SamplingParams.validate)
+    if len(m.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(
+            f"sampling.logit_bias has {len(m.logit_bias)} entries; at most {MAX_LOGIT_BIAS}"
+        )
+    if len(m.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+        raise InvalidRequestError(f"sampling.allowed_token_ids has more than {MAX_ALLOWED_TOKEN_IDS} ids")
     return SamplingParams(
         max_tokens=m.max_tokens,
         temperature=m.temperature,
@@ -37,6 +45,15 @@ def decode_sampling(m: pb.SamplingParams) -> SamplingParams:
         beam_width=m.beam_width,
         length_penalty=m.length_penalty if m.HasField("length_penalty") else 1.0,
         early_stopping=_early_stopping(m.early_stopping),
+        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        min_p=m.min_p,
+        min_tokens=m.min_tokens,
+        logit_bias=tuple(sorted(m.logit_bias.items())),
+        allowed_token_ids=tuple(m.allowed_token_ids),
+        top_logprobs=m.top_logprobs,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
     )
 
 
@@ -83,6 +100,13 @@ def encode_chunk(request_id: str, c: Chunk) -> pb.GenerateResponse:
     if c.cumulative_logprob is not None:
         m.cumulative_logprob = c.cumulative_logprob
         m.beam_score = c.beam_score
+    for ids, values in c.top_logprobs or ():
+        m.top_logprobs.add(token_ids=ids, logprobs=values)
+    for p in c.prompt_logprobs or ():
+        entry = m.prompt_logprobs.add(token_id=p.token_id, logprob=p.logprob)
+        if p.top_ids:
+            entry.top.token_ids.extend(p.top_ids)
+            entry.top.logprobs.extend(p.top_logprobs)
     return m
 
 

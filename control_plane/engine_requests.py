@@ -64,7 +64,9 @@ class EngineRequests:
             raise InvalidRequestError("stop strings need a server-side tokenizer; use stop_token_ids")
         request_id = request_id or uuid.uuid4().hex
         req = self.scheduler.add_request(request_id, prompt_token_ids, sampling, priority, cache_salt)
-        stream = RequestStream(request_id, sampling.n, self.tokenizer, sampling.stop, req.arrival)
+        stream = RequestStream(
+            request_id, sampling.n, self.tokenizer, sampling.stop, req.arrival, sampling.min_tokens
+        )
         self._streams[req.arrival] = stream
         self._work.set()
         log.debug(

@@ -55,9 +55,10 @@ class KVCacheManager:
         """Longest cached prefix of `seq`, in whole blocks, leaving >= 1 token to compute.
 
         Returns the blocks (not yet referenced: pass them to `allocate_slots`) and the
-        number of tokens they cover. Changes no state.
+        number of tokens they cover. Changes no state. A request that asks for prompt logprobs
+        gets no hits: every prompt position must be computed to have logits (vLLM does the same).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or seq.request.sampling.prompt_logprobs is not None:
             return [], 0
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs  # cap: the last token is always computed
@@ -101,6 +102,8 @@ class KVCacheManager:
     def prefix_being_filled(self, seq: Sequence, num_hit_blocks: int) -> bool:
         """Whether the block after `seq`'s cached prefix is one the plan being made fills for
         another sequence (call after get_computed_blocks, which hashed the prompt)."""
+        if seq.request.sampling.prompt_logprobs is not None:
+            return False  # it will not read the cache anyway
         hashes = seq.block_hashes
         return num_hit_blocks < len(hashes) and hashes[num_hit_blocks] in self._filling_hashes
 

@@ -69,6 +69,7 @@ class Sequence:
     beam_logprobs: list[float] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     beam_candidates: list[tuple[int, float]] | None = None
+    prompt_logprobs_sent: bool = False  # SamplingParams.prompt_logprobs: on this sample's first output
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,6 +104,9 @@ class Request:
     forked: bool = False  # n > 1: the children exist (the fan-out happened)
     fan_out_planned: bool = False  # n > 1: a plan asks for the n first tokens (maybe in flight)
     beam: BeamSearch | None = None  # beam search state (sampling.beam_width > 1)
+    # SamplingParams.prompt_logprobs: entry p - 1 is the prompt token at position p's
+    # (logprob, top ids, top logprobs), filled chunk by chunk as results arrive
+    prompt_logprobs: list[PromptTokenLogprob] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -111,6 +115,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.num_finished == self.sampling.n and len(self.sequences) == self.sampling.n
+
+
+@dataclass(slots=True)
+class PromptTokenLogprob:
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -129,3 +141,7 @@ class RequestOutput:
     # Beam search's final outputs (index = rank): the beam's summed logprob and its score.
     cumulative_logprob: float | None = None
     beam_score: float | None = None
+    # SamplingParams.top_logprobs: per new token, (ids, logprobs) of its position's alternatives
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    # SamplingParams.prompt_logprobs: on a sample's first output, positions 1 .. prompt end
+    prompt_logprobs: list[PromptTokenLogprob] | None = None

@@ -45,20 +45,28 @@ class Chunk:
     logprobs: list[float] | None
     cumulative_logprob: float | None = None  # beam search's final messages
     beam_score: float | None = None
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None  # per token
+    prompt_logprobs: list | None = None  # control_plane.request.PromptTokenLogprob, positions 1..
 
 
 class _SampleText:
-    __slots__ = ("_detok", "_pending", "_stops", "_hold")
+    __slots__ = ("_detok", "_pending", "_stops", "_hold", "_min_tokens", "_count")
 
-    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], min_tokens: int = 0) -> None:
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = stops
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._pending = ""
+        self._min_tokens, self._count = min_tokens, 0
 
     def feed(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Returns (text to emit now, whether a stop string matched)."""
-        return self._cut(self._detok.add(token_ids) if token_ids else "", final=False)
+        """Returns (text to emit now, whether a stop string matched). Text of the first
+        min_tokens tokens is never matched: a sample cannot stop before them."""
+        self._count += len(token_ids)
+        new = self._detok.add(token_ids) if token_ids else ""
+        if self._count <= self._min_tokens:
+            return new, False
+        return self._cut(new, final=False)
 
     def flush(self) -> tuple[str, bool]:
         """The rest of the text when the sample ends otherwise; a stop string may still match
@@ -88,13 +96,16 @@ class RequestStream:
         tokenizer: Tokenizer | None,
         stops: tuple[str, ...] = (),
         arrival: int = 0,
+        min_tokens: int = 0,
     ) -> None:
         if stops and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         self.request_id = request_id
         self.arrival = arrival  # the request's admission serial: what outputs are matched by
         self.n = n
-        self._texts = [_SampleText(tokenizer, stops) for _ in range(n)] if tokenizer is not None else None
+        self._texts = (
+            [_SampleText(tokenizer, stops, min_tokens) for _ in range(n)] if tokenizer is not None else None
+        )
         self._queue: asyncio.Queue[list[Chunk] | EngineError] = asyncio.Queue()
         self._num_finished = 0
         self.done = False  # every sample has finished, or the stream failed
@@ -121,6 +132,8 @@ class RequestStream:
             out.logprobs,
             out.cumulative_logprob,
             out.beam_score,
+            out.top_logprobs,
+            out.prompt_logprobs,
         )
         return chunk, matched
 

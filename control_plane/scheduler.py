@@ -129,7 +129,7 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         if not prompt:
             raise InvalidRequestError("the prompt is empty; send at least one token")
         try:
-            sampling.validate(self.config.max_n)
+            sampling.validate(self.config.max_n, self.info.vocab_size)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         if len(prompt) + sampling.max_tokens > self.max_model_len:
@@ -370,6 +370,9 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
                     seq.sample_index,
                     fan_out,
                     candidates,
+                    req.num_prompt_tokens,
+                    seq.token_ids[:start] if req.sampling.has_penalties else [],
+                    _next_prompt_token(seq, start + len(tokens)),
                 )
             )
             seq.synced = True
@@ -378,8 +381,17 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
             new_ids = [b.block_id for b in table[synced:]] if len(table) > synced else []
             plan.continuing.append(
                 ContinuingSequence(
-                    seq.seq_id, new_ids, alloc.replaced, tokens, start, sample, fan_out, feed, candidates
-                )
+                    seq.seq_id,
+                    new_ids,
+                    alloc.replaced,
+                    tokens,
+                    start,
+                    sample,
+                    fan_out,
+                    feed,
+                    candidates,
+                    _next_prompt_token(seq, start + len(tokens)),
+                )  # fmt: skip
             )
         seq.num_synced_blocks = len(table)
         self.kv.note_scheduled(seq)
@@ -415,3 +427,11 @@ def _seats(seq: Sequence) -> int:
     req = seq.request
     width = req.sampling.beam_width if req.beam is not None else req.sampling.n
     return width if (width > 1 and not req.forked) else 1
+
+
+def _next_prompt_token(seq: Sequence, end: int) -> int | None:
+    """Prompt logprobs: the token after a chunk that ends inside the prompt (its last position
+    predicts it); None when not asked or the chunk reaches the prompt's end."""
+    if seq.request.sampling.prompt_logprobs is None or end >= seq.num_prompt_tokens:
+        return None
+    return seq.token_ids[end]

@@ -16,7 +16,15 @@ from __future__ import annotations
 from base.plan import Plan, StepResult
 from control_plane.errors import RequestNotFoundError
 from control_plane.limits import short
-from control_plane.request import FinishReason, Request, RequestOutput, SeqStatus, Sequence, Usage
+from control_plane.request import (
+    FinishReason,
+    PromptTokenLogprob,
+    Request,
+    RequestOutput,
+    SeqStatus,
+    Sequence,
+    Usage,
+)
 
 
 class SchedulerUpdate:
@@ -35,6 +43,8 @@ class SchedulerUpdate:
                 if seq is not None and seq.status == SeqStatus.RUNNING:
                     self.kv.cache_full_blocks(seq)
         outputs, self._orphan_outputs = self._orphan_outputs, []
+        for entry in result.prompt_logprobs:
+            self._record_prompt_logprobs(entry)
         any_finished = False
         beam_requests: dict[int, Request] = {}
         for out in result.outputs:
@@ -49,14 +59,17 @@ class SchedulerUpdate:
                 continue
             token_ids = out.token_ids
             logprobs = out.logprobs
+            tops = _split_tops(out, len(token_ids))
             if len(token_ids) > 1:
-                if self._fan_out(seq, token_ids[1:], logprobs[1:] if logprobs else None, outputs):
+                child_tops = tops[1:] if tops else None
+                if self._fan_out(seq, token_ids[1:], logprobs[1:] if logprobs else None, outputs, child_tops):
                     any_finished = True
                 token_ids = token_ids[:1]
                 logprobs = logprobs[:1] if logprobs else None
+                tops = tops[:1] if tops else None
             if self._append(seq, token_ids[0]):
                 any_finished = True
-            outputs.append(self._output(seq, token_ids, logprobs))
+            outputs.append(self._output(seq, token_ids, logprobs, tops))
         for req in beam_requests.values():
             if self.requests.get(req.request_id) is req:
                 outputs.extend(self._select_beams(req))
@@ -65,10 +78,27 @@ class SchedulerUpdate:
             self.running = [s for s in self.running if s.status == SeqStatus.RUNNING]
         return outputs
 
+    def _record_prompt_logprobs(self, entry) -> None:
+        """Prompt logprobs of one chunk; positions already recorded (a preempted sequence
+        recomputes its prompt) are ignored."""
+        seq = self.seqs.get(entry.seq_id)
+        if seq is None:
+            return
+        have = seq.request.prompt_logprobs
+        k = len(entry.top_ids) // len(entry.logprobs) if entry.top_ids else 0
+        for i, value in enumerate(entry.logprobs):
+            if entry.first + i == len(have) + 1:  # positions arrive in order; entry p-1 is position p
+                top = (
+                    (entry.top_ids[i * k : (i + 1) * k], entry.top_logprobs[i * k : (i + 1) * k])
+                    if k
+                    else ([], [])
+                )
+                have.append(PromptTokenLogprob(seq.request.prompt_token_ids[entry.first + i], value, *top))
+
     def _append(self, seq: Sequence, token: int) -> bool:
         """Append one sampled token; finish the sequence if it hit a stop. True if finished."""
         seq.token_ids.append(token)
-        if token in seq.request.stop_ids:
+        if token in seq.request.stop_ids and seq.num_output_tokens > seq.request.sampling.min_tokens:
             reason = FinishReason.STOP
         elif self._reaches_length(seq, seq.num_tokens):
             reason = FinishReason.LENGTH
@@ -84,7 +114,9 @@ class SchedulerUpdate:
             or num_tokens >= self.max_model_len
         )
 
-    def _fan_out(self, parent: Sequence, tokens: list[int], logprobs, outputs: list[RequestOutput]) -> bool:
+    def _fan_out(
+        self, parent: Sequence, tokens: list[int], logprobs, outputs: list[RequestOutput], tops=None
+    ) -> bool:
         """n > 1: children share every prompt block of the parent (copy-on-write later).
 
         Returns True if a child finished on its very first token (EOS, a stop id, max_tokens 1):
@@ -100,7 +132,8 @@ class SchedulerUpdate:
             child = self._fork(parent, i, num_prompt)
             if self._append(child, token):
                 any_finished = True
-            outputs.append(self._output(child, [token], [logprobs[i - 1]] if logprobs else None))
+            top = [tops[i - 1]] if tops else None
+            outputs.append(self._output(child, [token], [logprobs[i - 1]] if logprobs else None, top))
         return any_finished
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -123,14 +156,19 @@ class SchedulerUpdate:
             self.seqs.pop(s.seq_id, None)
         self.num_finished_requests += 1
 
-    def _output(self, seq: Sequence, token_ids: list[int], logprobs=None) -> RequestOutput:
+    def _output(self, seq: Sequence, token_ids: list[int], logprobs=None, tops=None) -> RequestOutput:
         usage = None
         if seq.status == SeqStatus.FINISHED:
             usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens, max(seq.num_cached_tokens, 0))
         req = seq.request
-        return RequestOutput(
+        out = RequestOutput(
             req.request_id, seq.sample_index, list(token_ids), logprobs, seq.finish_reason, usage, req.arrival
         )
+        out.top_logprobs = tops
+        if req.sampling.prompt_logprobs is not None and token_ids and not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs_sent = True
+            out.prompt_logprobs = list(req.prompt_logprobs)
+        return out
 
     # -- ending samples from outside the step -------------------------------------------
     def _get(self, request_id: str) -> Request:
@@ -188,3 +226,13 @@ class SchedulerUpdate:
         for request_id in list(self.requests):
             outputs.extend(self.abort_request(request_id, reason))
         return outputs
+
+
+def _split_tops(out, num_tokens: int) -> list[tuple[list[int], list[float]]] | None:
+    """SeqOutput's flattened alternatives (k per token) as one (ids, logprobs) per token."""
+    if not out.top_ids:
+        return None
+    k = len(out.top_ids) // num_tokens
+    return [
+        (out.top_ids[i * k : (i + 1) * k], out.top_logprobs[i * k : (i + 1) * k]) for i in range(num_tokens)
+    ]

@@ -87,10 +87,11 @@ class DecoderStack:
             self._scratch = torch.empty(need)
         return self._scratch
 
-    def run(self, ops: CpuOps, inputs, x: Tensor, threads: int) -> Tensor:
-        """x [T, hidden] fp32 (embeddings; becomes the residual stream) -> final-norm rows that sample."""
+    def run(self, ops: CpuOps, inputs, x: Tensor, threads: int, rows: Tensor) -> Tensor:
+        """x [T, hidden] fp32 (embeddings; becomes the residual stream) -> the final-norm hidden
+        states of `rows` (int64, ascending, distinct: the C side gathers them in place)."""
         meta = inputs.attention
-        rows = inputs.logits_indices
+        rows = rows.contiguous()
         freqs = inputs.positions[:, None].to(torch.float32) * self.forward.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()  # [T, head_dim / 2]
         out = torch.empty(rows.shape[0], self.forward.hidden)

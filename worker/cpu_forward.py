@@ -196,10 +196,12 @@ class FastCpuForward:
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)
 
-    def __call__(self, inputs: ModelInputs, kv_cache) -> Tensor:
-        """The final-norm hidden rows that sample, from one C call for the whole decoder stack
-        (kernels/cpu_decoder.c; worker/cpu_decoder.py builds its view of the layers once)."""
+    def __call__(self, inputs: ModelInputs, kv_cache, rows: list[int] | None = None) -> Tensor:
+        """The final-norm hidden states of `rows` (ascending flat token rows; default: the
+        sampling rows), from one C call for the whole decoder stack (kernels/cpu_decoder.c;
+        worker/cpu_decoder.py builds its view of the layers once)."""
         if self._stack is None or self._stack.kv_cache is not kv_cache:
             self._stack = DecoderStack(self, kv_cache)
         x = self._embed(inputs.input_ids)
-        return self._stack.run(self.ops, inputs, x, torch.get_num_threads())
+        keep = inputs.logits_indices if rows is None else torch.tensor(rows, dtype=torch.int64)
+        return self._stack.run(self.ops, inputs, x, torch.get_num_threads(), keep)

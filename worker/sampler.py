@@ -2,14 +2,16 @@
 device (CUDA or CPU: one code path, checked on the CPU against worker.reference_sampler).
 
 Per row (one sequence that samples this step), in this order:
-  - temperature 0: greedy, argmax of the raw logits (lowest id on ties);
+  - logit shaping (worker/logits_shaping.py: logit_bias, allowed_token_ids, min_tokens,
+    penalties), only for rows that ask for any;
+  - temperature 0: greedy, argmax of the shaped logits (lowest id on ties);
   - otherwise: logits / temperature, keep the top_k largest (0 = all), keep the smallest
     prefix of the remaining tokens, by descending probability, whose mass reaches top_p,
-    renormalize, draw by inverse CDF with one uniform number in [0, 1). Without truncation
-    the CDF runs in vocabulary order (no sort).
-`logprob` is always log_softmax of the RAW logits at the sampled token: the model's own
-probability, independent of temperature and truncation (what clients compare across
-settings).
+    drop tokens below min_p x the top probability, renormalize, draw by inverse CDF with one
+    uniform number in [0, 1). Without truncation the CDF runs in vocabulary order (no sort).
+`logprob` and the `top_logprobs` alternatives are always of log_softmax of the RAW logits: the
+model's own probabilities, independent of temperature, shaping and truncation (vLLM's default
+`raw_logprobs`; what clients compare across settings).
 
 Reproducibility. A seeded request's uniform for the token at position p of sample i is a
 64-bit hash of (seed, i, p) (`token_uniform`): stateless, so the same seed gives the same
@@ -33,6 +35,8 @@ import torch
 from torch import Tensor
 
 from base.plan import SamplingParams
+from worker.logits_shaping import shape_logits
+from worker.token_counts import TokenCounts
 
 _MASK64 = (1 << 64) - 1
 
@@ -59,12 +63,16 @@ class SamplingRow:
     position: int  # position of the token being sampled = start_pos + len(token_ids)
     num_samples: int = 1
     num_candidates: int = 0  # beam search: the top this many of the log-softmax instead
+    counts: TokenCounts | None = None  # penalized rows: the sequence's token counts
+    num_generated: int = 0  # tokens generated before this one (min_tokens)
 
 
 @dataclass(frozen=True, slots=True)
 class SampledTokens:
     token_ids: list[int]
     logprobs: list[float] | None
+    top_ids: list[int] | None = None  # top_logprobs k per sampled token, flattened
+    top_logprobs: list[float] | None = None
 
 
 def token_uniform(seed: int, sample_index: int, position: int) -> float:
@@ -94,8 +102,9 @@ def sample_uniforms(rows: Sequence[SamplingRow], generator: torch.Generator) -> 
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, eos_token_ids: tuple[int, ...] = ()) -> None:
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._eos = eos_token_ids  # min_tokens bans them too
 
     def sample(self, logits: Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
         """logits: [len(rows), vocab], on any device. Returns one entry per row."""
@@ -116,7 +125,8 @@ class Sampler:
                     results[i] = item
         return results
 
-    def _sample(self, logits: Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
+    def _sample(self, raw: Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
+        logits = shape_logits(raw, rows, self._eos)
         uniforms = sample_uniforms(rows, self._generator)
         owners = [i for i, row in enumerate(rows) for _ in range(row.num_samples)]
         tokens = torch.empty(len(owners), dtype=torch.int64, device=logits.device)
@@ -137,19 +147,37 @@ class Sampler:
         if wanted:
             picked = [s for s, i in enumerate(owners) if rows[i].params.logprobs]
             slot = {row: j for j, row in enumerate(wanted)}
-            table = torch.log_softmax(_rows_view(logits, wanted), dim=-1)
+            table = torch.log_softmax(_rows_view(raw, wanted), dim=-1)
             logprobs = table[
                 _index([slot[owners[s]] for s in picked], logits), tokens[_index(picked, logits)]
             ].tolist()
+        tops = _top_logprobs(raw, rows)
         results, s, lp = [], 0, 0
-        for row in rows:
+        for i, row in enumerate(rows):
             end = s + row.num_samples
             row_logprobs = None
             if row.params.logprobs:
                 row_logprobs, lp = logprobs[lp : lp + row.num_samples], lp + row.num_samples
-            results.append(SampledTokens(token_list[s:end], row_logprobs))
+            top_ids = top_values = None
+            if i in tops:  # one distribution per row: a fan-out's samples share its alternatives
+                top_ids, top_values = (x * row.num_samples for x in tops[i])
+            results.append(SampledTokens(token_list[s:end], row_logprobs, top_ids, top_values))
             s = end
         return results
+
+
+def _top_logprobs(raw: Tensor, rows: Sequence[SamplingRow]) -> dict[int, tuple[list[int], list[float]]]:
+    """row -> (ids, logprobs) of its top_logprobs most likely tokens, best first (raw logits)."""
+    wanted = [i for i, row in enumerate(rows) if row.params.top_logprobs]
+    if not wanted:
+        return {}
+    k = max(rows[i].params.top_logprobs for i in wanted)
+    values, ids = torch.topk(torch.log_softmax(_rows_view(raw, wanted), dim=-1), k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return {
+        i: (ids[j][: rows[i].params.top_logprobs], values[j][: rows[i].params.top_logprobs])
+        for j, i in enumerate(wanted)
+    }
 
 
 def top_candidates(logits: Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
@@ -206,7 +234,7 @@ def _draw(logits: Tensor, rows: Sequence[SamplingRow], uniforms: list[float]) ->
     vocab = logits.shape[1]
     temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32).to(device)
     u = torch.tensor(uniforms, dtype=torch.float32).to(device)
-    scaled = logits / temps[:, None]
+    scaled = _min_p(logits / temps[:, None], rows)
     truncated = [0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in rows]
     out = torch.empty(len(rows), dtype=torch.int64, device=device)
     plain = [j for j, t in enumerate(truncated) if not t]
@@ -220,6 +248,17 @@ def _draw(logits: Tensor, rows: Sequence[SamplingRow], uniforms: list[float]) ->
         sel = torch.tensor(cut, dtype=torch.int64).to(device)
         out[sel] = _draw_truncated(_rows_view(scaled, cut), [rows[j].params for j in cut], u[sel])
     return out
+
+
+def _min_p(scaled: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """Tokens whose probability is below min_p x the most likely one's get -inf: in logit
+    terms, below max + log(min_p). The ratio to the top token does not change with top-k or
+    top-p truncation, so applying it before them equals Hugging Face's MinPLogitsWarper after."""
+    if not any(r.params.min_p > 0 for r in rows):
+        return scaled
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=scaled.dtype).to(scaled.device)
+    floor = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]  # log(0) = -inf: no-op
+    return scaled.masked_fill(scaled < floor, float("-inf"))
 
 
 def _draw_truncated(scaled: Tensor, params: Sequence[SamplingParams], u: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from base.plan import ContinuingSequence, NewSequence, SamplingParams
+from worker.token_counts import TokenCounts
 
 
 @dataclass(slots=True)
@@ -29,12 +30,15 @@ class SequenceMirror:
     # The first token of this sequence's last sample, until a plan feeds it forward
     # (ContinuingSequence.feed_last_sample); None when there is none to feed.
     last_sample: int | None = None
+    prompt_len: int = 0  # positions below hold prompt tokens (NewSequence.prompt_len)
+    counts: TokenCounts | None = None  # penalized sampling: the tokens computed so far
 
 
 class SequenceMirrors:
     """seq id -> SequenceMirror, plus block id -> number of live tables referencing it."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int = 0) -> None:
+        self.vocab_size = vocab_size  # for TokenCounts
         self._seqs: dict[int, SequenceMirror] = {}
         self._block_refs: Counter[int] = Counter()
 
@@ -64,7 +68,11 @@ class SequenceMirrors:
             sampling=seq.sampling,
             sample_index=seq.sample_index,
             num_computed_tokens=seq.start_pos + len(seq.token_ids),
+            prompt_len=seq.prompt_len,
         )
+        if seq.sampling.has_penalties:
+            mirror.counts = TokenCounts(self.vocab_size, seq.prompt_len)
+            mirror.counts.add(seq.history, 0)
         self._seqs[seq.seq_id] = mirror
         self._block_refs.update(mirror.block_ids)
         return mirror

@@ -27,16 +27,19 @@ from kernels.driver import KernelLoadError
 from kernels.nvrtc import KernelCompileError
 from kernels.specs import AttentionGeometry
 from worker.backends import get_backend
-from worker.batch import ScheduledSequence, build_model_inputs
+from worker.batch import build_model_inputs
 from worker.cpu_forward import FastCpuForward, fast_forward_unavailable
 from worker.cuda_graph import DecodeGraphRunner
+from worker.cuda_quant import replace_quantized_linears
 from worker.errors import WorkerConfigError
 from worker.kv_cache import KVCacheSpec, create_kv_cache
 from worker.model import CausalLM
 from worker.model_config import load_model_config
 from worker.plan_validation import PlanLimits, validate_plan
-from worker.sampler import Sampler, SamplingRow
+from worker.prompt_logprobs import compute as compute_prompt_logprobs
+from worker.sampler import Sampler
 from worker.sequence_mirror import SequenceMirrors
+from worker.step_work import apply_plan
 from worker.worker_config import (
     WorkerConfig,
     default_kv_cache_memory,
@@ -88,14 +91,12 @@ class Worker:
             max_model_len=self.max_model_len,
             contiguous=config.layout == KVLayout.CONTIGUOUS,
         )
-        if self.device.type == "cuda" and self.model.quantized:
-            self.model.materialize_quantized(self.dtype, self.device)  # no CUDA quantized kernels yet
         self.decode_graphs = self._prepare_cuda()
         self.fast_forward = self._prepare_fast_forward()
         if self.fast_forward is None and self.model.quantized:  # the reference runs dense linears
             self.model.materialize_quantized(self.dtype, self.device)
-        self.mirrors = SequenceMirrors()
-        self.sampler = Sampler(config.seed)
+        self.mirrors = SequenceMirrors(self.model_config.vocab_size)
+        self.sampler = Sampler(config.seed, self.model_config.eos_token_ids)
         self.instance_id = uuid.uuid4().hex
         self._info = self._describe()
 
@@ -110,29 +111,52 @@ class Worker:
         """`execute`, also returning the fp32 logits [outputs, vocab] the tokens were sampled
         from (row i belongs to result.outputs[i]); for tests and backend comparisons."""
         validate_plan(plan, self.mirrors, self.limits, self.kv_cache.num_free_rows)
-        scheduled, rows, sampled_ids = self._apply_table_changes(plan)
+        work = apply_plan(plan, self.mirrors, self.kv_cache)
         self.kv_cache.copy_blocks(plan.copies)
-        if not scheduled:
+        if not work.scheduled:
             return StepResult(step_id=plan.step_id), torch.empty(0, self.model_config.vocab_size)
         started = time.perf_counter()
+        prompt_out = []
         with torch.inference_mode():
-            if self.decode_graphs is not None and self.decode_graphs.accepts(scheduled):
-                logits = self.model.compute_logits(self.decode_graphs.forward(scheduled))
+            if self.decode_graphs is not None and self.decode_graphs.accepts(work.scheduled):
+                logits = self.model.compute_logits(self.decode_graphs.forward(work.scheduled))
             else:
-                inputs = build_model_inputs(scheduled, self.kv_cache.addressing_block_size, self.device)
-                if self.fast_forward is not None:
-                    logits = self.fast_forward.compute_logits(self.fast_forward(inputs, self.kv_cache))
-                else:
-                    hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
-                    logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            samples = self.sampler.sample(logits, rows)
+                logits, prompt_out = self._forward(work)
+            samples = self.sampler.sample(logits, work.rows)
         mirrors = self.mirrors
         outputs = []
-        for seq_id, sample in zip(sampled_ids, samples, strict=True):
+        for seq_id, sample in zip(work.sampled_ids, samples, strict=True):
             mirrors[seq_id].last_sample = sample.token_ids[0]  # what a feed_last_sample reads
-            outputs.append(SeqOutput(seq_id=seq_id, token_ids=sample.token_ids, logprobs=sample.logprobs))
+            outputs.append(
+                SeqOutput(seq_id, sample.token_ids, sample.logprobs, sample.top_ids, sample.top_logprobs)
+            )
         elapsed = time.perf_counter() - started
-        return StepResult(step_id=plan.step_id, outputs=outputs, forward_seconds=elapsed), logits
+        return StepResult(plan.step_id, outputs, elapsed, prompt_out), logits
+
+    def _forward(self, work) -> tuple[Tensor, list]:
+        """Logits of the sampling rows, and the prompt logprobs the step asks for: one forward
+        that keeps the hidden states of both kinds of rows (the last layer runs only them)."""
+        inputs = build_model_inputs(work.scheduled, self.kv_cache.addressing_block_size, self.device)
+        sample_rows = inputs.logits_indices.tolist()
+        extra = [r for p in work.prompt for r in range(p.first_row, p.first_row + len(p.targets))]
+        rows = sorted(set(sample_rows) | set(extra)) if extra else sample_rows
+        if self.fast_forward is not None:
+            hidden = self.fast_forward(inputs, self.kv_cache, rows)
+            compute_logits = self.fast_forward.compute_logits
+        else:
+            full = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
+            hidden = full[torch.tensor(rows, dtype=torch.int64, device=full.device)]
+            compute_logits = self.model.compute_logits
+        if not extra:
+            return compute_logits(hidden), []
+        where = {row: i for i, row in enumerate(rows)}
+
+        def pick(flat_rows: list[int]) -> Tensor:
+            return hidden[
+                torch.tensor([where[r] for r in flat_rows], dtype=torch.int64, device=hidden.device)
+            ]
+
+        return compute_logits(pick(sample_rows)), compute_prompt_logprobs(pick, compute_logits, work.prompt)
 
     def reset(self) -> None:
         """Forget every sequence (the control plane will resend full tables)."""
@@ -148,57 +172,6 @@ class Worker:
     @property
     def num_sequences(self) -> int:
         return len(self.mirrors)
-
-    def _apply_table_changes(
-        self, plan: Plan
-    ) -> tuple[list[ScheduledSequence], list[SamplingRow], list[int]]:
-        """Mutate the mirrors as the (validated) plan says; return the step's scheduled
-        sequences, decodes (one input token) first and otherwise in plan order, plus a
-        sampling row and seq id per sampling sequence in the same order. Decodes first lets
-        the CUDA backend run them through the decode kernel and only the rest through the
-        prefill kernel (AttentionMetadata.num_decode_seqs)."""
-        for seq_id in plan.finished:
-            self.mirrors.drop(seq_id)
-            self.kv_cache.release(seq_id)
-        steps: list[tuple[ScheduledSequence, SamplingRow | None, int]] = []
-        for seq in plan.new:
-            mirror = self.mirrors.register(seq)
-            self.kv_cache.register(seq.seq_id)
-            row = None
-            if seq.sample:
-                position = seq.start_pos + len(seq.token_ids)
-                row = SamplingRow(
-                    seq.sampling, seq.sample_index, position, seq.num_samples, seq.num_candidates
-                )
-            scheduled = self._scheduled(
-                seq.seq_id, mirror.block_ids, seq.token_ids, seq.start_pos, seq.sample
-            )
-            steps.append((scheduled, row, seq.seq_id))
-        for seq in plan.continuing:
-            mirror = self.mirrors.apply_delta(seq)
-            # Overlap scheduling: the token sampled last step, which the control plane has
-            # not seen yet. Any step consumes the previous sample (fed or superseded).
-            token_ids = [mirror.last_sample] if seq.feed_last_sample else seq.token_ids
-            mirror.last_sample = None
-            row = None
-            if seq.sample:
-                position = seq.start_pos + len(token_ids)
-                # A chunked prompt's last chunk carries the n > 1 fan-out here.
-                row = SamplingRow(
-                    mirror.sampling, mirror.sample_index, position, seq.num_samples, seq.num_candidates
-                )
-            scheduled = self._scheduled(seq.seq_id, mirror.block_ids, token_ids, seq.start_pos, seq.sample)
-            steps.append((scheduled, row, seq.seq_id))
-        steps.sort(key=lambda step: len(step[0].token_ids) != 1)  # stable: decodes first
-        rows = [row for _, row, _ in steps if row is not None]
-        sampled_ids = [seq_id for _, row, seq_id in steps if row is not None]
-        return [scheduled for scheduled, _, _ in steps], rows, sampled_ids
-
-    def _scheduled(
-        self, seq_id: int, block_ids: list[int], token_ids: list[int], start_pos: int, sample: bool
-    ) -> ScheduledSequence:
-        table = self.kv_cache.physical_table(seq_id, block_ids)
-        return ScheduledSequence(table=table, token_ids=token_ids, start_pos=start_pos, sample=sample)
 
     def _prepare_cuda(self) -> DecodeGraphRunner | None:
         """On CUDA: compile and load the kernels now (a bad geometry or driver fails at start),
@@ -216,6 +189,8 @@ class Worker:
         )
         try:
             self.backend.prepare(geometry)
+            if self.model.quantized:  # served from packed codes (worker/cuda_quant.py)
+                replace_quantized_linears(self.model, self.dtype, self.backend)
         except (ValueError, KernelLoadError, KernelCompileError) as exc:
             raise WorkerConfigError(
                 f"the CUDA kernels cannot serve this model on {self.device}: {exc}"
@@ -297,7 +272,8 @@ class Worker:
         if scheme is None:
             return ""
         dense = str(self.dtype).removeprefix("torch.")
-        held = "packed codes" if self.fast_forward is not None else f"dequantized to {dense}"
+        packed = self.fast_forward is not None or self.device.type == "cuda"
+        held = "packed codes" if packed else f"dequantized to {dense}"
         return f"{scheme.describe()}; {held}"
 
 

@@ -1,0 +1,76 @@
+"""A validated plan applied to the worker's mirrors, turned into what the forward and the sampler
+need: the scheduled sequences (decodes first, then plan order: the CUDA backend runs decode rows
+through its decode kernel and the rest through the prefill kernel), one sampling row per
+sequence that samples, and the rows whose prompt logprobs are wanted.
+
+Token counts of penalized sequences advance here, as each step's inputs are applied: a
+sampling row then sees every token of its context, including the one computed this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from base.plan import Plan
+from worker.batch import ScheduledSequence
+from worker.prompt_logprobs import PromptRows, prompt_rows
+from worker.sampler import SamplingRow
+from worker.sequence_mirror import SequenceMirror, SequenceMirrors
+
+
+@dataclass(slots=True)
+class StepWork:
+    scheduled: list[ScheduledSequence]
+    rows: list[SamplingRow]  # one per sampling sequence, in scheduled order
+    sampled_ids: list[int]  # their seq ids
+    prompt: list[PromptRows]  # flat rows are indices into the step's concatenated tokens
+
+
+def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache) -> StepWork:
+    """Mutate the mirrors as the (validated) plan says (finished dropped, new registered,
+    deltas applied) and describe the step."""
+    for seq_id in plan.finished:
+        mirrors.drop(seq_id)
+        kv_cache.release(seq_id)
+    steps = []  # (scheduled, sampling row, seq id, mirror, next_token)
+    for seq in plan.new:
+        mirror = mirrors.register(seq)
+        kv_cache.register(seq.seq_id)
+        steps.append(_entry(kv_cache, mirror, seq, seq.token_ids))
+    for seq in plan.continuing:
+        mirror = mirrors.apply_delta(seq)
+        # Overlap scheduling: the token sampled last step, which the control plane has not
+        # seen yet. Any step consumes the previous sample (fed or superseded).
+        token_ids = [mirror.last_sample] if seq.feed_last_sample else seq.token_ids
+        mirror.last_sample = None
+        steps.append(_entry(kv_cache, mirror, seq, token_ids))
+    steps.sort(key=lambda step: len(step[0].token_ids) != 1)  # stable: decodes first
+    work = StepWork([s[0] for s in steps], [s[1] for s in steps if s[1]], [s[2] for s in steps if s[1]], [])
+    first_row = 0
+    for scheduled, _, seq_id, mirror, next_token in steps:
+        k = mirror.sampling.prompt_logprobs
+        if k is not None:
+            tokens = list(scheduled.token_ids)
+            wanted = prompt_rows(
+                seq_id, first_row, scheduled.start_pos, tokens, next_token, mirror.prompt_len, k
+            )
+            if wanted is not None:
+                work.prompt.append(wanted)
+        first_row += len(scheduled.token_ids)
+    return work
+
+
+def _entry(kv_cache, mirror: SequenceMirror, seq, token_ids: list[int]):
+    if mirror.counts is not None:
+        mirror.counts.add(token_ids, seq.start_pos)
+    row = None
+    if seq.sample:
+        position = seq.start_pos + len(token_ids)
+        # A chunked prompt's last chunk carries the n > 1 fan-out on its continuing entry.
+        row = SamplingRow(mirror.sampling, mirror.sample_index, position, seq.num_samples, seq.num_candidates,
+                          mirror.counts, max(0, position - mirror.prompt_len))  # fmt: skip
+    table = kv_cache.physical_table(seq.seq_id, mirror.block_ids)
+    scheduled = ScheduledSequence(
+        table=table, token_ids=token_ids, start_pos=seq.start_pos, sample=seq.sample
+    )
+    return scheduled, row, seq.seq_id, mirror, seq.next_token
