@@ -103,7 +103,9 @@ def encode_chunk(request_id: str, c: Chunk) -> pb.GenerateResponse:
     for ids, values in c.top_logprobs or ():
         m.top_logprobs.add(token_ids=ids, logprobs=values)
     for p in c.prompt_logprobs or ():
-        entry = m.prompt_logprobs.add(token_id=p.token_id, logprob=p.logprob)
+        entry = m.prompt_logprobs.add(token_id=p.token_id)
+        if p.logprob is not None:
+            entry.logprob = p.logprob
         if p.top_ids:
             entry.top.token_ids.extend(p.top_ids)
             entry.top.logprobs.extend(p.top_logprobs)

@@ -3,7 +3,8 @@ each step's outputs to their streams (text, stop strings, finish). A mixin, as
 `SchedulerUpdate` is for `Scheduler`: same object, same single event-loop thread.
 
 Size limits (control_plane.limits) are checked before any work that grows with a field;
-long texts are tokenized on a thread so they do not hold up other streams' steps.
+long texts are tokenized (and long id lists detokenized) on a thread so they do not hold up
+other streams' steps.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 from base.logs import get_logger
 from base.plan import SamplingParams
+from base.tokenizer import Tokenizer
 from control_plane import limits
 from control_plane.errors import (
     EngineError,
@@ -30,6 +32,7 @@ log = get_logger("pagedkv.control")
 # Texts longer than this are tokenized on a thread (tokenizers release the GIL), so a long
 # prompt does not hold up every other stream's next step.
 TOKENIZE_INLINE_CHARS = 16_384
+DETOKENIZE_INLINE_IDS = 4_096  # the same for Detokenize's ids
 
 
 class EngineRequests:
@@ -86,10 +89,42 @@ class EngineRequests:
                 "down or not answering); retry shortly"
             )
 
-    async def _tokenize(self, text: str) -> list[int]:
+    async def _tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if len(text) <= TOKENIZE_INLINE_CHARS:
-            return self.tokenizer.encode(text)
-        return await asyncio.to_thread(self.tokenizer.encode, text)
+            return self.tokenizer.encode(text, add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    # -- the Tokenize / Detokenize RPCs ------------------------------------------------------
+    # They need the worker's tokenizer, not the worker: after a worker loss they keep
+    # answering with the last one's (UNAVAILABLE only before any worker connected).
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.info is None or self.scheduler is None:
+            raise WorkerUnavailableError("no worker has connected yet; retry shortly")
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer on the server; tokenize on the client")
+        return self.tokenizer
+
+    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`text`'s ids as Generate computes them (with add_special_tokens: plus what the
+        tokenizer's post-processor adds). InvalidRequestError past the text size limit."""
+        self._require_tokenizer()
+        limits.check_text_size(len(text), self.scheduler.max_model_len)
+        return await self._tokenize(text, add_special_tokens)
+
+    async def detokenize(
+        self, token_ids: Sequence[int], skip_special_tokens: bool = False
+    ) -> tuple[str, list[bytes], list[bool]]:
+        """(text, each id's bytes, each id's special flag); InvalidRequestError for too many
+        ids or one outside the vocabulary."""
+        tok = self._require_tokenizer()
+        limits.check_detokenize_ids(token_ids, self.info.vocab_size)
+        ids = list(token_ids)
+
+        def run() -> tuple[str, list[bytes], list[bool]]:
+            text = tok.decode(ids, skip_special_tokens)
+            return text, [tok.token_bytes(t) for t in ids], [tok.is_special(t) for t in ids]
+
+        return run() if len(ids) <= DETOKENIZE_INLINE_IDS else await asyncio.to_thread(run)
 
     def abort(self, request_id: str, *, reason: FinishReason = FinishReason.ABORT) -> int:
         """End a live request now (blocks freed); returns the samples aborted. RequestNotFoundError."""

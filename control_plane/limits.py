@@ -13,7 +13,8 @@ message limit, failing every live request. The limits are documented in engine.p
     stop               16 strings of 1..256 characters         api_codec
     stop_token_ids     256 ids, each in [0, vocab_size)        api_codec (count), scheduler (vocab)
     token_ids          max_model_len - max_tokens ids          Scheduler._validate, before the vocab scan
-    text               max_model_len x 64 characters           AsyncEngine.submit, before tokenizing
+    text               max_model_len x 64 characters           AsyncEngine.submit/tokenize, before tokenizing
+    Detokenize ids     262144 ids, each in [0, vocab_size)     AsyncEngine.detokenize, before decoding
     whole message      16 MiB (gRPC, RESOURCE_EXHAUSTED)       the Engine server's receive limit
 """
 
@@ -31,6 +32,8 @@ MAX_STOP_TOKEN_IDS = 256
 # the model's context.
 MAX_CHARS_PER_TOKEN = 64
 MAX_ENGINE_MESSAGE_BYTES = 16 * 1024 * 1024
+# Detokenize: 256k ids (at most 1.25 MiB of varints) decode in well under a second.
+MAX_DETOKENIZE_IDS = 262_144
 _ECHO_CHARS = 64
 
 
@@ -71,3 +74,12 @@ def check_text_size(num_chars: int, max_model_len: int) -> None:
             f"the prompt text has {num_chars} characters; at most {limit} are accepted "
             f"({MAX_CHARS_PER_TOKEN} per token of the model's max length {max_model_len})"
         )
+
+
+def check_detokenize_ids(token_ids, vocab_size: int) -> None:
+    """Detokenize's ids: the count first, then the scan (InvalidRequestError naming the id)."""
+    if len(token_ids) > MAX_DETOKENIZE_IDS:
+        raise InvalidRequestError(f"at most {MAX_DETOKENIZE_IDS} token_ids, got {len(token_ids)}")
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")

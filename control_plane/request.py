@@ -120,7 +120,7 @@ class Request:
 @dataclass(slots=True)
 class PromptTokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None for the first prompt token: nothing predicts it
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
 
@@ -143,5 +143,5 @@ class RequestOutput:
     beam_score: float | None = None
     # SamplingParams.top_logprobs: per new token, (ids, logprobs) of its position's alternatives
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
-    # SamplingParams.prompt_logprobs: on a sample's first output, positions 1 .. prompt end
+    # SamplingParams.prompt_logprobs: on a sample's first output, every prompt position
     prompt_logprobs: list[PromptTokenLogprob] | None = None

@@ -167,7 +167,8 @@ class SchedulerUpdate:
         out.top_logprobs = tops
         if req.sampling.prompt_logprobs is not None and token_ids and not seq.prompt_logprobs_sent:
             seq.prompt_logprobs_sent = True
-            out.prompt_logprobs = list(req.prompt_logprobs)
+            first = PromptTokenLogprob(req.prompt_token_ids[0], None)
+            out.prompt_logprobs = [first, *req.prompt_logprobs]
         return out
 
     # -- ending samples from outside the step -------------------------------------------

@@ -130,6 +130,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         s = e.scheduler
         return api_codec.encode_model_info(e.info, e.config, s.max_model_len, s.max_running)
 
+    @_unary
+    async def Tokenize(self, request, context):
+        ids = await self.engine.tokenize(request.text, request.add_special_tokens)
+        return engine_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.engine.scheduler.max_model_len)
+
+    @_unary
+    async def Detokenize(self, request, context):
+        text, pieces, special = await self.engine.detokenize(request.token_ids, request.skip_special_tokens)
+        return engine_pb2.DetokenizeResponse(text=text, token_bytes=pieces, special=special)
+
 
 async def create_server(
     address: str,

@@ -61,6 +61,8 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     cumulative_logprob: float | None = None  # beam search: the beam's summed logprob
     beam_score: float | None = None  # beam search: its rank score (length-penalised)
+    top_logprobs: list[engine_pb2.TopLogprobs] = field(default_factory=list)  # per token
+    prompt_logprobs: list[engine_pb2.PromptTokenLogprob] = field(default_factory=list)
 
 
 def resolve_target(target: str | Sequence[str]) -> str:
@@ -113,8 +115,11 @@ def build_request(
     beam_width: int = 0,
     length_penalty: float | None = None,
     early_stopping: str = "heuristic",
+    **sampling_fields,
 ) -> engine_pb2.GenerateRequest:
-    """A GenerateRequest from keyword arguments (exactly one of `prompt` and `token_ids`)."""
+    """A GenerateRequest from keyword arguments (exactly one of `prompt` and `token_ids`);
+    any other SamplingParams field (presence_penalty=0.5, logit_bias={7: -100.0},
+    top_logprobs=5, prompt_logprobs=0, ...) by its proto name."""
     if (prompt is None) == (token_ids is None):
         raise ValueError("pass exactly one of `prompt` (text) and `token_ids`")
     sampling = engine_pb2.SamplingParams(
@@ -131,6 +136,7 @@ def build_request(
         beam_width=beam_width,
         length_penalty=length_penalty,
         early_stopping=f"EARLY_STOPPING_{early_stopping.upper()}",
+        **sampling_fields,
     )
     return engine_pb2.GenerateRequest(
         request_id=request_id,
@@ -148,6 +154,8 @@ def collect(messages, completions: dict[int, Completion]) -> None:
         c.token_ids.extend(m.token_ids)
         c.text += m.text
         c.logprobs.extend(m.logprobs)
+        c.top_logprobs.extend(m.top_logprobs)
+        c.prompt_logprobs.extend(m.prompt_logprobs)
         if m.finish_reason:
             c.finish_reason = engine_pb2.FinishReason.Name(m.finish_reason).removeprefix("FINISH_REASON_")
             c.usage = m.usage
@@ -243,6 +251,21 @@ class Client(_EngineChannel):
     def model_info(self, timeout: float | None = None) -> engine_pb2.ModelInfo:
         return self._unary(self._stub.GetModelInfo, engine_pb2.GetModelInfoRequest(), timeout)
 
+    def tokenize(
+        self, text: str, add_special_tokens: bool = False, timeout: float | None = None
+    ) -> engine_pb2.TokenizeResponse:
+        """The server tokenizer's ids for `text` (`.token_ids`) and its `.max_model_len`."""
+        req = engine_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return self._unary(self._stub.Tokenize, req, timeout)
+
+    def detokenize(
+        self, token_ids: Sequence[int], skip_special_tokens: bool = False, timeout: float | None = None
+    ) -> engine_pb2.DetokenizeResponse:
+        """`.text` of the ids, and per id `.token_bytes` and `.special`
+        (`base.tokenizer.token_display` shows a piece that is not whole UTF-8)."""
+        req = engine_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return self._unary(self._stub.Detokenize, req, timeout)
+
     def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         """ "SERVING", "NOT_SERVING", ... of the standard health service."""
         resp = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
@@ -318,6 +341,18 @@ class AsyncClient(_EngineChannel):
 
     async def model_info(self, timeout: float | None = None) -> engine_pb2.ModelInfo:
         return await self._unary(self._stub.GetModelInfo, engine_pb2.GetModelInfoRequest(), timeout)
+
+    async def tokenize(
+        self, text: str, add_special_tokens: bool = False, timeout: float | None = None
+    ) -> engine_pb2.TokenizeResponse:
+        req = engine_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return await self._unary(self._stub.Tokenize, req, timeout)
+
+    async def detokenize(
+        self, token_ids: Sequence[int], skip_special_tokens: bool = False, timeout: float | None = None
+    ) -> engine_pb2.DetokenizeResponse:
+        req = engine_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return await self._unary(self._stub.Detokenize, req, timeout)
 
     async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         req = health_pb2.HealthCheckRequest(service=service)

@@ -16,6 +16,7 @@ from base.v1 import engine_pb2
 from pagedkv.client import AsyncClient, ClientError
 from pagedkv.openai_api.chat_template import ChatTemplate
 from pagedkv.openai_api.errors import ApiError, from_client_error
+from pagedkv.openai_api.logprobs import TokenTexts
 
 MODEL_INFO_TTL_S = 2.0
 
@@ -41,6 +42,8 @@ class Front:
         self.started = int(time.time())
         self._info: engine_pb2.ModelInfo | None = None
         self._info_at = 0.0
+        self._texts: TokenTexts | None = None
+        self._texts_instance = ""
 
     async def open(self) -> None:
         self.client = AsyncClient(self.engine, security=self.security)
@@ -58,6 +61,15 @@ class Front:
                 raise from_client_error(e) from None
             self._info_at = now
         return self._info
+
+    def token_texts(self, info: engine_pb2.ModelInfo) -> TokenTexts:
+        """The token-text cache of the model `info` describes (a new worker instance may serve
+        another tokenizer: its cache starts empty)."""
+        if self._texts is None or self._texts_instance != info.facts.instance_id:
+            has_tokenizer = info.facts.tokenizer_kind not in ("", "none")
+            self._texts = TokenTexts(self.client, has_tokenizer)
+            self._texts_instance = info.facts.instance_id
+        return self._texts
 
     async def resolve_model(self, requested: str | None) -> tuple[engine_pb2.ModelInfo, str]:
         """(ModelInfo, the model name to report). A missing or empty `model` means the one

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from base.v1 import engine_pb2
 from pagedkv.client import AsyncClient, ClientError
 from pagedkv.openai_api.errors import ApiError, from_client_error
+from pagedkv.openai_api.logprobs import TokenLogprobs
 
 _DONE = object()
 
@@ -111,45 +112,40 @@ class ChoiceOutput:
     """One sample's output, accumulated from its messages."""
 
     index: int
+    prompt_index: int = 0
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    token_texts: list[str] = field(default_factory=list)
+    generated: TokenLogprobs = field(default_factory=TokenLogprobs.empty)
+    prompt: TokenLogprobs | None = None  # SamplingParams.prompt_logprobs: every prompt token
     finish_reason: int = 0
     usage: engine_pb2.Usage | None = None
 
     def add(self, msg: engine_pb2.GenerateResponse) -> None:
         self.text += msg.text
-        self.token_ids.extend(msg.token_ids)
-        self.logprobs.extend(msg.logprobs)
-        self.token_texts.extend(token_texts(msg))
+        self.generated.extend_generated(msg)
+        if len(msg.prompt_logprobs):
+            self.prompt = TokenLogprobs.of_prompt(msg.prompt_logprobs)
         if msg.finish_reason:
             self.finish_reason = msg.finish_reason
             self.usage = msg.usage
 
 
-def token_texts(msg: engine_pb2.GenerateResponse) -> list[str]:
-    """Per-token text for logprobs. The Engine sends a message's text, not each token's: the
-    text goes with its first token (usually the only one), so the tokens join to the output.
-    A character split across tokens shows with the token that completes it."""
-    if not msg.token_ids:
-        return []
-    return [msg.text] + [""] * (len(msg.token_ids) - 1)
-
-
 class UsageTotals:
     """OpenAI usage over a request: each prompt counted once (its samples share it), every
-    sample's completion tokens, and the prompt tokens the prefix cache served."""
+    sample's completion tokens (none when the request only scores its prompt: echo with
+    max_tokens 0 leaves out the one token the Engine made), and the prompt tokens the prefix
+    cache served."""
 
-    def __init__(self) -> None:
+    def __init__(self, prompt_only: bool = False) -> None:
         self._prompts: dict[int, engine_pb2.Usage] = {}
         self.completion_tokens = 0
+        self._prompt_only = prompt_only
 
     def add(self, prompt: int, msg: engine_pb2.GenerateResponse) -> None:
         if not msg.finish_reason:
             return
         self._prompts.setdefault(prompt, msg.usage)
-        self.completion_tokens += msg.usage.completion_tokens
+        if not self._prompt_only:
+            self.completion_tokens += msg.usage.completion_tokens
 
     def json(self) -> dict:
         prompt_tokens = sum(u.prompt_tokens for u in self._prompts.values())
@@ -162,12 +158,12 @@ class UsageTotals:
         }
 
 
-async def collect(streams: EngineStreams, num_choices: int) -> tuple[list[ChoiceOutput], UsageTotals]:
-    """Every choice's whole output (a non-streaming response)."""
+async def collect(streams: EngineStreams, num_choices: int, usage: UsageTotals) -> list[ChoiceOutput]:
+    """Every choice's whole output (a non-streaming response), counted into `usage`."""
     choices = [ChoiceOutput(i) for i in range(num_choices)]
-    usage = UsageTotals()
     while (event := await streams.next()) is not None:
         index, prompt, msg = event
+        choices[index].prompt_index = prompt
         choices[index].add(msg)
         usage.add(prompt, msg)
-    return choices, usage
+    return choices

@@ -1,18 +1,19 @@
 """The request bodies of /v1/completions and /v1/chat/completions, and their translation into
 the Engine's `SamplingParams`.
 
-Rule: a field is either honoured, or refused with a 400 that names it, or (only where it can
-change nothing about the output: `user`, `metadata`, `store`, `service_tier`,
-`parallel_tool_calls`) accepted and ignored. Fields this module has never heard of are ignored
-too, as the OpenAI API does; the ones that would change the output and that clients commonly
-send (penalties, logit_bias, echo, suffix, best_of != n, min_tokens, tools, ...) are listed in
-`_REFUSED` so they are never silently dropped. Values the Engine itself validates (ranges of
-temperature, top_k, stop strings, n, prompt length) are passed through: its INVALID_ARGUMENT
-message becomes the 400's message.
+Rule: a field is honoured, or refused with a 400 that names it (`_REFUSED`: it would change
+the output and this server cannot do it), or, only where it can change nothing about the
+output (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`), accepted and
+ignored. A field this module has never heard of is accepted and ignored as vLLM does, but
+never silently: it is logged and named in the response header `x-pagedkv-ignored-fields`
+(`ignored_fields`). Values the Engine itself validates (ranges of temperature, penalties,
+logit_bias, min_tokens, stop strings, n, prompt length) are passed through: its
+INVALID_ARGUMENT message, which names the field, becomes the 400's message.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
@@ -22,19 +23,14 @@ from pagedkv.openai_api.errors import bad_request, unsupported
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the gRPC API's default is greedy)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs` (and the Engine's)
 _UINT32 = 2**32
+_IGNORED_KNOWN = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 
 # field -> (the value that means "off", why a different value is refused)
 _REFUSED: dict[str, tuple[Any, str]] = {
-    "presence_penalty": (0, "the sampler has no penalties"),
-    "frequency_penalty": (0, "the sampler has no penalties"),
-    "repetition_penalty": (1, "the sampler has no penalties"),
-    "logit_bias": ({}, "the sampler has no logit bias"),
-    "min_p": (0, "the sampler has no min_p; use top_p or top_k"),
-    "min_tokens": (0, "the engine has no minimum output length"),
-    "prompt_logprobs": (None, "the engine returns logprobs of generated tokens only"),
     "include_stop_str_in_output": (False, "the engine's text always stops before a stop string"),
-    "echo": (False, "the engine does not return the prompt's text or logprobs"),
     "suffix": (None, "no fill-in-the-middle"),
     "tools": (None, "no tool calling (the output is not parsed for calls)"),
     "functions": (None, "no tool calling (the output is not parsed for calls)"),
@@ -52,7 +48,7 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """Fields both endpoints share (OpenAI's, then vLLM-style extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields: see ignored_fields
 
     model: StrictStr | None = None
     n: StrictInt = 1
@@ -63,26 +59,35 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     best_of: StrictInt | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as OpenAI sends it, a string) -> bias
     user: StrictStr | None = None  # accepted, ignored
+    metadata: Any = None  # accepted, ignored
+    store: Any = None  # accepted, ignored
+    service_tier: Any = None  # accepted, ignored
     # vLLM-style extras
     top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: StrictInt = 0
+    allowed_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
     priority: StrictInt = 0
     cache_salt: StrictStr | None = None
-    # refused unless "off" (see _REFUSED)
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    min_p: Any = None
-    min_tokens: Any = None
+    prompt_logprobs: StrictInt | None = None
+    return_tokens_as_token_ids: bool = False  # logprob tokens shown as "token_id:N"
     # vLLM-style beam search: width best_of (default n), the n best beams returned
     use_beam_search: bool = False
     length_penalty: float | None = None
-    prompt_logprobs: Any = None
     include_stop_str_in_output: Any = None
     response_format: Any = None
+
+    def ignored_fields(self) -> list[str]:
+        """Fields of the body that nothing reads: unknown ones, and the known no-ops that were set."""
+        unknown = sorted(self.model_extra or ())
+        return unknown + [f for f in _IGNORED_KNOWN if getattr(self, f, None) is not None]
 
     def check_refused(self) -> None:
         for name, (off, why) in _REFUSED.items():
@@ -108,14 +113,22 @@ class _GenerationRequest(BaseModel):
             raise bad_request(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise bad_request(f"seed must be in [0, 2^64), got {self.seed}", "seed")
-        if any(not 0 <= t < _UINT32 for t in self.stop_token_ids or ()):
-            raise bad_request("stop_token_ids must be token ids (>= 0)", "stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if any(not 0 <= t < _UINT32 for t in getattr(self, name) or ()):
+                raise bad_request(f"{name} must be token ids (>= 0)", name)
         if not -(2**31) <= self.priority < 2**31:
             raise bad_request("priority must fit in 32 bits", "priority")
+        if self.min_tokens < 0:
+            raise bad_request(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_CHAT_TOP_LOGPROBS:
+            raise bad_request(
+                f"prompt_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {self.prompt_logprobs}",
+                "prompt_logprobs",
+            )
 
     def _check_beam_search(self) -> None:
         """Beam search is greedy over log-probabilities: sampling fields must be unset (or off);
-        the Engine checks the rest (widths, stop strings)."""
+        the Engine checks the rest (widths, stop strings, logit shaping)."""
         if self.best_of is not None and self.best_of < self.n:
             raise bad_request(f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
         for name, off in (("temperature", 0.0), ("top_p", 1.0), ("seed", None)):
@@ -133,18 +146,30 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    @property
-    def greedy(self) -> bool:
-        """Each token is the most likely one (not so for a beam's tokens)."""
-        return self._temperature() == 0.0 and not self.use_beam_search
-
     def _temperature(self) -> float:
         if self.use_beam_search:
             return 0.0
         return OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
 
-    def sampling(self, max_tokens: int, logprobs: bool) -> engine_pb2.SamplingParams:
-        """The Engine's SamplingParams (call `check_refused` first)."""
+    def _logit_bias(self) -> dict[int, float]:
+        """OpenAI sends token ids as JSON object keys (strings); the Engine checks the ids
+        against the vocabulary and the biases' range."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if not 0 <= token < _UINT32:
+                raise bad_request(f"logit_bias: token id {token} is not a token id", "logit_bias")
+            if not math.isfinite(bias):
+                raise bad_request(f"logit_bias for token {token} must be in [-100, 100]", "logit_bias")
+            out[token] = bias
+        return out
+
+    def sampling(self, max_tokens: int, top_logprobs: int | None) -> engine_pb2.SamplingParams:
+        """The Engine's SamplingParams (call `check_refused` first). `top_logprobs` None: no
+        logprobs; k >= 0: each token's logprob and its k most likely alternatives."""
         top_k = self.top_k or 0
         if top_k == -1:  # vLLM's "disabled"
             top_k = 0
@@ -163,24 +188,26 @@ class _GenerationRequest(BaseModel):
             stop=stop,
             ignore_eos=self.ignore_eos,
             n=self.n,
-            logprobs=logprobs,
+            logprobs=top_logprobs is not None,
+            top_logprobs=top_logprobs or 0,
+            prompt_logprobs=self.prompt_logprobs,
             beam_width=self.beam_width,
             length_penalty=self.length_penalty if self.use_beam_search else None,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            min_p=self.min_p or 0.0,
+            min_tokens=min(self.min_tokens, _UINT32 - 1),
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids or [],
         )
 
-    def top_logprobs_checked(self, top: int | None, param: str) -> int:
-        """0 or 1 alternatives per token. One is exact only at temperature 0: the engine returns
-        the sampled token's logprob, which is then the most likely token."""
-        top = top or 0
-        if top < 0:
-            raise bad_request(f"{param} must be >= 0, got {top}", param)
-        if top > 1:
-            raise unsupported(param, "the engine returns the sampled token's logprob only (use 0 or 1)")
-        if top == 1 and not self.greedy:
-            raise unsupported(
-                param, "1 alternative is the sampled token only at temperature 0; use 0 when sampling"
-            )
-        return top
+
+def _top_count(value: int | None, limit: int, param: str) -> int:
+    value = value or 0
+    if not 0 <= value <= limit:
+        raise bad_request(f"{param} must be in [0, {limit}], got {value}", param)
+    return value
 
 
 class CompletionRequest(_GenerationRequest):
@@ -206,11 +233,35 @@ class CompletionRequest(_GenerationRequest):
                 raise bad_request("token ids in prompt must be >= 0", "prompt")
         return prompts
 
-    def logprobs_mode(self) -> tuple[bool, int]:
-        """(engine logprobs on, alternatives per token)."""
+    def top_logprobs(self) -> int | None:
+        """None: no logprobs; k: each token's logprob and its k (<= 5) alternatives."""
         if self.logprobs is None:
-            return False, 0
-        return True, self.top_logprobs_checked(self.logprobs, "logprobs")
+            return None
+        return _top_count(self.logprobs, MAX_COMPLETION_LOGPROBS, "logprobs")
+
+    def engine_max_tokens(self) -> int:
+        """`max_tokens: 0` is allowed with echo (score the prompt, generate nothing): the
+        Engine then generates one token, which the response leaves out."""
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        if max_tokens == 0 and self.echo:
+            return 1
+        if max_tokens < 1:
+            raise bad_request(f"max_tokens must be >= 1 (0 only with echo), got {max_tokens}", "max_tokens")
+        return max_tokens
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the response holds the prompt and nothing generated."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def engine_sampling(self) -> engine_pb2.SamplingParams:
+        """With echo and logprobs the prompt's logprobs are needed too (the larger of the two
+        alternative counts asked for; each part of the response keeps its own)."""
+        top = self.top_logprobs()
+        sampling = self.sampling(self.engine_max_tokens(), top)
+        if self.echo and top is not None:
+            sampling.prompt_logprobs = max(top, self.prompt_logprobs or 0)
+        return sampling
 
 
 class ChatMessage(BaseModel):
@@ -250,6 +301,7 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: Any = None  # ignored: there are no tool calls
     add_generation_prompt: bool = True
     continue_final_message: Any = None
+    echo: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -257,12 +309,18 @@ class ChatCompletionRequest(_GenerationRequest):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def logprobs_mode(self) -> tuple[bool, int]:
+    def top_logprobs_count(self) -> int | None:
+        """None: no logprobs; k: each token's logprob and its k (<= 20) alternatives."""
         if not self.logprobs:
             if self.top_logprobs:
                 raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-            return False, 0
-        return True, self.top_logprobs_checked(self.top_logprobs, "top_logprobs")
+            return None
+        return _top_count(self.top_logprobs, MAX_CHAT_TOP_LOGPROBS, "top_logprobs")
+
+    def check_refused(self) -> None:
+        super().check_refused()
+        if self.echo:
+            raise unsupported("echo", "chat completions do not echo; use /v1/completions with echo")
 
     def template_messages(self) -> list[dict]:
         if not self.messages:

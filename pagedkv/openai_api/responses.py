@@ -9,9 +9,18 @@ passes "abort" rather than disguised as one of OpenAI's.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from base.v1 import engine_pb2
-from pagedkv.openai_api.generation import ChoiceOutput, token_texts
+from pagedkv.openai_api.generation import ChoiceOutput
+from pagedkv.openai_api.logprobs import (
+    TextOffsets,
+    TokenLogprobs,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 
 _FINISH = {
     engine_pb2.FINISH_REASON_STOP: "stop",
@@ -36,63 +45,87 @@ class Envelope:
         return {**self.fields, "choices": choices, **extra}
 
 
-# -- logprobs --------------------------------------------------------------------------------
-def _pairs(texts: list[str], logprobs: list[float]) -> list[tuple[str, float | None]]:
-    """(token text, logprob); None where the worker sent none (a worker without logprobs,
-    e.g. the test SimWorker): every token is still listed."""
-    return [(t, logprobs[i] if i < len(logprobs) else None) for i, t in enumerate(texts)]
+@dataclass
+class View:
+    """How one request's outputs are shown: which endpoint's shapes, logprobs (None = off, k =
+    alternatives per token), echo of the prompt (its text per prompt index), prompt logprobs."""
 
+    chat: bool
+    texts: TokenTexts
+    top: int | None = None
+    echo_texts: list[str] | None = None  # completions with echo
+    prompt_only: bool = False  # echo with max_tokens 0: nothing generated is shown
+    prompt_k: int | None = None  # vLLM's prompt_logprobs extra
 
-def completion_logprobs(texts: list[str], logprobs: list[float], top: int, offset: int = 0) -> dict:
-    """/v1/completions `logprobs`: tokens, token_logprobs, text_offset, and top_logprobs when 1
-    alternative was asked (the sampled token, the most likely one at temperature 0)."""
-    pairs = _pairs(texts, logprobs)
-    offsets = []
-    for text in texts:
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": texts,
-        "token_logprobs": [lp for _, lp in pairs],
-        "top_logprobs": [{t: lp} for t, lp in pairs] if top else None,
-        "text_offset": offsets,
-    }
+    def token_ids(self, choices: list[ChoiceOutput]) -> set[int]:
+        """Every id whose text a response shows (to fetch them all at once)."""
+        ids: set[int] = set()
+        for c in choices:
+            if self.top is not None:
+                ids |= c.generated.all_ids()
+            if c.prompt is not None:
+                ids |= c.prompt.all_ids()
+        return ids
 
+    def _completion_logprobs(self, c: ChoiceOutput, offsets: TextOffsets, first: bool) -> dict | None:
+        if self.top is None:
+            return None
+        tokens = TokenLogprobs.empty()
+        if self.echo_texts is not None and first and c.prompt is not None:
+            tokens = TokenLogprobs(list(c.prompt.ids), list(c.prompt.logprobs), list(c.prompt.tops))
+        if not self.prompt_only:
+            tokens.ids += c.generated.ids
+            tokens.logprobs += c.generated.logprobs
+            tokens.tops += c.generated.tops
+        return completion_logprobs(self.texts, tokens, self.top, offsets)
 
-def chat_logprobs(texts: list[str], logprobs: list[float], top: int) -> dict:
-    content = []
-    for text, lp in _pairs(texts, logprobs):
-        entry = {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-        entry["top_logprobs"] = [dict(entry)] if top else []
-        content.append(entry)
-    return {"content": content}
+    def completion_choice(self, c: ChoiceOutput, offsets: TextOffsets, first: bool = True) -> dict:
+        """A completions choice, or a stream chunk's (`first`: the choice's first chunk)."""
+        text = "" if self.prompt_only else c.text
+        if self.echo_texts is not None and first:
+            text = self.echo_texts[c.prompt_index] + text
+        out = {
+            "index": c.index,
+            "text": text,
+            "logprobs": self._completion_logprobs(c, offsets, first),
+            "finish_reason": self.finish(c),
+        }
+        if self.prompt_k is not None and first and c.prompt is not None:
+            out["prompt_logprobs"] = prompt_logprobs(self.texts, c.prompt, self.prompt_k)
+        return out
 
+    def chat_choice(self, c: ChoiceOutput) -> dict:
+        lp = chat_logprobs(self.texts, c.generated, self.top) if self.top is not None else None
+        return {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": lp,
+            "finish_reason": self.finish(c),
+        }
 
-# -- whole responses -------------------------------------------------------------------------
-def completion_choice(c: ChoiceOutput, want_logprobs: bool, top: int) -> dict:
-    lp = completion_logprobs(c.token_texts, c.logprobs, top) if want_logprobs else None
-    return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": finish_reason(c.finish_reason)}
+    def finish(self, c: ChoiceOutput) -> str | None:
+        if self.prompt_only and c.finish_reason:
+            return "length"  # the one token the Engine made is not shown: max_tokens 0 reached
+        return finish_reason(c.finish_reason)
 
-
-def chat_choice(c: ChoiceOutput, want_logprobs: bool, top: int) -> dict:
-    return {
-        "index": c.index,
-        "message": {"role": "assistant", "content": c.text},
-        "logprobs": chat_logprobs(c.token_texts, c.logprobs, top) if want_logprobs else None,
-        "finish_reason": finish_reason(c.finish_reason),
-    }
+    def body(self, envelope: Envelope, choices: list[ChoiceOutput], usage: dict) -> dict:
+        """A whole (non-streaming) response."""
+        if not self.chat:
+            return envelope.body([self.completion_choice(c, TextOffsets()) for c in choices], usage=usage)
+        extra = {}
+        if self.prompt_k is not None and choices and choices[0].prompt is not None:
+            extra["prompt_logprobs"] = prompt_logprobs(self.texts, choices[0].prompt, self.prompt_k)
+        return envelope.body([self.chat_choice(c) for c in choices], usage=usage, **extra)
 
 
 # -- stream chunks ---------------------------------------------------------------------------
 class ChunkMaker:
     """Turns one Engine message into the chunk's choice entry (None: nothing to send), keeping
-    per-choice state (text offsets for logprobs, the chat role sent once)."""
+    per-choice state (text offsets for logprobs, whether its first chunk went out)."""
 
-    def __init__(self, chat: bool, want_logprobs: bool, top: int) -> None:
-        self.chat = chat
-        self.want_logprobs = want_logprobs
-        self.top = top
-        self._offsets: dict[int, int] = {}
+    def __init__(self, view: View) -> None:
+        self.view = view
+        self._offsets: dict[int, TextOffsets] = {}
 
     def role_chunk(self, index: int) -> dict:
         return {
@@ -102,21 +135,25 @@ class ChunkMaker:
             "finish_reason": None,
         }
 
-    def choice(self, index: int, msg: engine_pb2.GenerateResponse) -> dict | None:
-        finish = finish_reason(msg.finish_reason)
-        has_tokens = self.want_logprobs and len(msg.token_ids) > 0
-        if not msg.text and finish is None and not has_tokens:
+    async def choice(self, index: int, prompt: int, msg: engine_pb2.GenerateResponse) -> dict | None:
+        view = self.view
+        first = index not in self._offsets
+        offsets = self._offsets.setdefault(index, TextOffsets())
+        part = ChoiceOutput(index, prompt)
+        part.add(msg)
+        if view.prompt_only:
+            part.text, part.generated = "", TokenLogprobs.empty()
+        await view.texts.fetch(view.token_ids([part]))
+        has_tokens = view.top is not None and len(part.generated.ids) > 0
+        echoes = first and (view.echo_texts is not None or view.prompt_k is not None)
+        if not part.text and not part.finish_reason and not has_tokens and not echoes:
+            del self._offsets[index]  # nothing sent yet: the next message is still the first
             return None
-        lp = None
-        if self.want_logprobs:
-            texts = token_texts(msg)
-            if self.chat:
-                lp = chat_logprobs(texts, list(msg.logprobs), self.top)
-            else:
-                offset = self._offsets.get(index, 0)
-                lp = completion_logprobs(texts, list(msg.logprobs), self.top, offset)
-                self._offsets[index] = offset + len(msg.text)
-        if self.chat:
-            delta = {"content": msg.text} if msg.text else {}
-            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        return {"index": index, "text": msg.text, "logprobs": lp, "finish_reason": finish}
+        if not view.chat:
+            return view.completion_choice(part, offsets, first)
+        lp = chat_logprobs(view.texts, part.generated, view.top) if view.top is not None else None
+        delta = {"content": part.text} if part.text else {}
+        out = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": view.finish(part)}
+        if view.prompt_k is not None and first and part.prompt is not None:
+            out["prompt_logprobs"] = prompt_logprobs(view.texts, part.prompt, view.prompt_k)
+        return out

@@ -1,4 +1,5 @@
-"""The endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health.
+"""The generation endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+GET /health (the tokenizer, model, version and metrics endpoints: extras.py).
 
 Each request becomes one Engine `Generate` per prompt (generation.py). Non-streaming
 responses are collected whole; streaming ones wait for every prompt's first message before
@@ -16,18 +17,16 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from base.logs import get_logger
 from base.v1 import engine_pb2
 from pagedkv.client import ClientError
 from pagedkv.openai_api.chat_template import template_for
-from pagedkv.openai_api.errors import ApiError, bad_request
+from pagedkv.openai_api.errors import ApiError, bad_request, from_client_error
+from pagedkv.openai_api.extras import model_card
 from pagedkv.openai_api.front import Front
 from pagedkv.openai_api.generation import EngineStreams, UsageTotals, build_requests, collect
-from pagedkv.openai_api.protocol import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
-from pagedkv.openai_api.responses import ChunkMaker, Envelope, chat_choice, completion_choice
+from pagedkv.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.openai_api.responses import ChunkMaker, Envelope, View
 from pagedkv.openai_api.streaming import (
     DONE_EVENT,
     ClientDisconnected,
@@ -38,6 +37,8 @@ from pagedkv.openai_api.streaming import (
 
 router = APIRouter()
 health_router = APIRouter()
+log = get_logger("pagedkv.openai")
+IGNORED_FIELDS_HEADER = "x-pagedkv-ignored-fields"
 
 
 @dataclass
@@ -47,11 +48,10 @@ class Job:
     requests: list[engine_pb2.GenerateRequest]
     envelope: Envelope
     num_choices: int
-    chat: bool
-    want_logprobs: bool
-    top: int
+    view: View
     stream: bool
     include_usage: bool
+    ignored: list[str]  # body fields nothing read (x-pagedkv-ignored-fields)
 
 
 def _front(request: Request) -> Front:
@@ -62,14 +62,7 @@ def _front(request: Request) -> Front:
 async def list_models(request: Request) -> dict:
     front = _front(request)
     info = await front.model_info()
-    card = {
-        "id": info.facts.model_name,
-        "object": "model",
-        "created": front.started,
-        "owned_by": "pagedkv",
-        "max_model_len": info.facts.max_model_len,
-    }
-    return {"object": "list", "data": [card]}
+    return {"object": "list", "data": [model_card(front, info)]}
 
 
 @health_router.get("/health")
@@ -85,24 +78,45 @@ async def health(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     body.check_refused()
-    _, model = await _front(request).resolve_model(body.model)
-    want_logprobs, top = body.logprobs_mode()
+    front = _front(request)
+    info, model = await front.resolve_model(body.model)
     prompts = body.prompts()
-    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    sampling = body.engine_sampling()
+    texts = front.token_texts(info)
+    view = View(
+        chat=False,
+        texts=texts.with_ids() if body.return_tokens_as_token_ids else texts,
+        top=body.top_logprobs(),
+        echo_texts=await _echo_texts(front, prompts) if body.echo else None,
+        prompt_only=body.prompt_only,
+        prompt_k=body.prompt_logprobs,
+    )
     rid = f"cmpl-{uuid.uuid4().hex}"
     job = Job(
-        build_requests(
-            rid, prompts, body.sampling(max_tokens, want_logprobs), body.priority, body.cache_salt or ""
-        ),
+        build_requests(rid, prompts, sampling, body.priority, body.cache_salt or ""),
         Envelope(rid, "text_completion", model),
         len(prompts) * body.n,
-        False,
-        want_logprobs,
-        top,
+        view,
         body.stream,
         body.include_usage,
+        body.ignored_fields(),
     )
     return await _run(request, job)
+
+
+async def _echo_texts(front: Front, prompts: list) -> list[str]:
+    """Each prompt's text as echo shows it: a text prompt as sent, token ids decoded (special
+    tokens included: the prompt is shown as the model read it)."""
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            out.append(prompt)
+            continue
+        try:
+            out.append((await front.client.detokenize(prompt, timeout=30.0)).text)
+        except ClientError as e:
+            raise from_client_error(e) from None
+    return out
 
 
 @router.post("/v1/chat/completions")
@@ -112,22 +126,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     info, model = await front.resolve_model(body.model)
     template = template_for(front.chat_template, info.facts.tokenizer_kind)
     prompt = template.render(body.template_messages(), body.add_generation_prompt, body.chat_template_kwargs)
-    want_logprobs, top = body.logprobs_mode()
+    top = body.top_logprobs_count()
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:
         max_tokens = default_chat_max_tokens(info, prompt)
+    texts = front.token_texts(info)
+    view = View(
+        chat=True,
+        texts=texts.with_ids() if body.return_tokens_as_token_ids else texts,
+        top=top,
+        prompt_k=body.prompt_logprobs,
+    )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     job = Job(
-        build_requests(
-            rid, [prompt], body.sampling(max_tokens, want_logprobs), body.priority, body.cache_salt or ""
-        ),
+        build_requests(rid, [prompt], body.sampling(max_tokens, top), body.priority, body.cache_salt or ""),
         Envelope(rid, "chat.completion", model),
         body.n,
-        True,
-        want_logprobs,
-        top,
+        view,
         body.stream,
         body.include_usage,
+        body.ignored_fields(),
     )
     return await _run(request, job)
 
@@ -151,8 +169,18 @@ def default_chat_max_tokens(info: engine_pb2.ModelInfo, prompt: str) -> int:
     return room
 
 
+def _ignored_headers(job: Job) -> dict[str, str]:
+    """Fields accepted but not acted on are named, never silently dropped (and logged)."""
+    if not job.ignored:
+        return {}
+    log.warning("openai.ignored_fields", fields=job.ignored, request_id=job.envelope.fields["id"])
+    return {IGNORED_FIELDS_HEADER: ",".join(job.ignored)[:1024]}
+
+
 async def _run(request: Request, job: Job) -> Response:
     front = _front(request)
+    headers = _ignored_headers(job)
+    usage = UsageTotals(job.view.prompt_only)
     if job.stream:
         streams = EngineStreams(front.client, job.requests)
         await streams.__aenter__()
@@ -163,31 +191,30 @@ async def _run(request: Request, job: Job) -> Response:
             if isinstance(e, ClientDisconnected):
                 return Response(status_code=499)  # never delivered
             raise
-        return SSEResponse(_events(job, streams, first))
+        return SSEResponse(_events(job, streams, first, usage), headers=headers)
 
     async def whole():
         async with EngineStreams(front.client, job.requests) as streams:
-            return await collect(streams, job.num_choices)
+            choices = await collect(streams, job.num_choices, usage)
+        await job.view.texts.fetch(job.view.token_ids(choices))
+        return choices
 
     try:
-        choices, usage = await until_disconnect(request.receive, whole())
+        choices = await until_disconnect(request.receive, whole())
     except ClientDisconnected:
         return Response(status_code=499)  # never delivered
-    make = chat_choice if job.chat else completion_choice
-    body = job.envelope.body([make(c, job.want_logprobs, job.top) for c in choices], usage=usage.json())
-    return JSONResponse(body)
+    return JSONResponse(job.view.body(job.envelope, choices, usage.json()), headers=headers)
 
 
-async def _events(job: Job, streams: EngineStreams, first: list) -> AsyncIterator[bytes]:
+async def _events(job: Job, streams: EngineStreams, first: list, usage: UsageTotals) -> AsyncIterator[bytes]:
     """The SSE body: chunks for the messages already read, then the rest, then usage, [DONE].
     An engine failure after the 200 is sent as an error event (OpenAI's and vLLM's way)."""
     env = job.envelope
-    env.fields["object"] = "chat.completion.chunk" if job.chat else "text_completion"
+    env.fields["object"] = "chat.completion.chunk" if job.view.chat else "text_completion"
     usage_extra = {"usage": None} if job.include_usage else {}
-    maker = ChunkMaker(job.chat, job.want_logprobs, job.top)
-    usage = UsageTotals()
+    maker = ChunkMaker(job.view)
     try:
-        if job.chat:
+        if job.view.chat:
             for i in range(job.num_choices):
                 yield sse_event(env.body([maker.role_chunk(i)], **usage_extra))
         pending = iter(first)
@@ -197,7 +224,7 @@ async def _events(job: Job, streams: EngineStreams, first: list) -> AsyncIterato
                 break
             index, prompt, msg = event
             usage.add(prompt, msg)
-            choice = maker.choice(index, msg)
+            choice = await maker.choice(index, prompt, msg)
             if choice is not None:
                 yield sse_event(env.body([choice], **usage_extra))
         if job.include_usage:

@@ -56,8 +56,8 @@ class SSEResponse(StreamingResponse):
     """A response that sends `events` (already-encoded SSE bytes) and stops them when the
     client disconnects. The iterator is always closed (its `finally` blocks run)."""
 
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
         self.events = events
 
     async def __call__(self, scope, receive, send) -> None:

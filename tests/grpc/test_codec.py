@@ -13,6 +13,7 @@ from base.plan import (
     KVLayout,
     NewSequence,
     Plan,
+    PromptLogprobs,
     SamplingParams,
     SeqOutput,
     StepResult,
@@ -48,11 +49,66 @@ sampling = st.builds(
     ignore_eos=st.booleans(),
     n=u32,
     logprobs=st.booleans(),
+    repetition_penalty=f32,
+    presence_penalty=f32,
+    frequency_penalty=f32,
+    min_p=f32,
+    min_tokens=u32,
+    logit_bias=st.dictionaries(u32, f32, max_size=3).map(lambda d: tuple(sorted(d.items()))),
+    allowed_token_ids=st.lists(u32, max_size=3).map(tuple),
+    top_logprobs=u32,
+    prompt_logprobs=st.none() | u32,
 )
-new_seq = st.builds(NewSequence, u64, ids, ids, u32, sampling, st.booleans(), u32, u32)
+new_seq = st.builds(
+    NewSequence,
+    u64,
+    ids,
+    ids,
+    u32,
+    sampling,
+    st.booleans(),
+    u32,
+    u32,
+    prompt_len=u32,
+    history=ids,
+    next_token=st.none() | u32,
+)
 cont_seq = st.builds(
-    ContinuingSequence, u64, ids, st.lists(st.tuples(u32, u32), max_size=3), ids, u32, st.booleans(), u32
+    ContinuingSequence,
+    u64,
+    ids,
+    st.lists(st.tuples(u32, u32), max_size=3),
+    ids,
+    u32,
+    st.booleans(),
+    u32,
+    next_token=st.none() | u32,
 )
+
+
+@st.composite
+def seq_outputs(draw):
+    tokens = draw(st.lists(u32, min_size=1, max_size=4))
+    k = draw(st.integers(0, 3))
+    tops = {}
+    if k:  # k alternatives per sampled token, flattened
+        tops = {"top_ids": draw(st.lists(u32, min_size=k * len(tokens), max_size=k * len(tokens)))}
+        tops["top_logprobs"] = draw(st.lists(f32, min_size=k * len(tokens), max_size=k * len(tokens)))
+    logprobs = draw(st.none() | st.lists(f32, min_size=len(tokens), max_size=len(tokens)))
+    return SeqOutput(draw(u64), tokens, logprobs, **tops)
+
+
+@st.composite
+def prompt_logprobs(draw):
+    n = draw(st.integers(1, 4))
+    k = draw(st.integers(0, 2))
+    tops = {}
+    if k:
+        tops = {"top_ids": draw(st.lists(u32, min_size=k * n, max_size=k * n))}
+        tops["top_logprobs"] = draw(st.lists(f32, min_size=k * n, max_size=k * n))
+    return PromptLogprobs(draw(u64), draw(u32), draw(st.lists(f32, min_size=n, max_size=n)), **tops)
+
+
 plans = st.builds(
     Plan,
     step_id=u64,
@@ -64,13 +120,9 @@ plans = st.builds(
 results = st.builds(
     StepResult,
     step_id=u64,
-    outputs=st.lists(
-        st.builds(
-            SeqOutput, u64, st.lists(u32, min_size=1, max_size=4), st.none() | st.lists(f32, min_size=1)
-        ),
-        max_size=5,
-    ),
+    outputs=st.lists(seq_outputs(), max_size=5),
     forward_seconds=f64,
+    prompt_logprobs=st.lists(prompt_logprobs(), max_size=3),
 )
 
 

@@ -29,6 +29,7 @@ class Served:
     stack: Stack
     front: HttpFront
     model_dir: object = None
+    hf_model: object = None  # transformers' model of the served checkpoint (hf_real)
 
     @property
     def model(self) -> str:
@@ -97,5 +98,26 @@ def real():
         stack.close()
         raise
     served = Served(stack, front)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="session")
+def hf_real(tmp_path_factory):
+    """A tiny random Qwen2 checkpoint with the harness's Hugging Face tokenizer (byte-level BPE,
+    ChatML specials), served by the real CPU worker behind the front; `.hf_model` is
+    transformers' own model of the same checkpoint: the oracle for logits and logprobs."""
+    from tests.openai.harness import write_hf_checkpoint
+    from worker import Worker, WorkerConfig
+
+    path = tmp_path_factory.mktemp("hf-real")
+    hf_model = write_hf_checkpoint(path)
+    stack = Stack(lambda: Worker(WorkerConfig(model=str(path), num_blocks=128, block_size=16)))
+    try:
+        front = HttpFront(stack.address, stack.loop, chat_template=load_chat_template(str(path)))
+    except BaseException:
+        stack.close()
+        raise
+    served = Served(stack, front, path, hf_model)
     yield served
     served.close()

@@ -104,3 +104,14 @@ def hf_vocab_size(path: Path) -> int:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+
+
+def write_hf_checkpoint(path: Path):
+    """A tiny random Qwen2 checkpoint whose vocabulary is `write_hf_model_dir`'s tokenizer,
+    saved with that tokenizer at `path` (EOS: <|im_end|>); returns transformers' model read
+    back from it (its generate() ignores EOS: see build_checkpoint)."""
+    from tests.worker.worker_test_utils import CheckpointSpec, build_checkpoint
+
+    im_end = write_hf_model_dir(path)[1]
+    geometry = {"vocab_size": hf_vocab_size(path), "max_position_embeddings": 512, "eos_token_id": im_end}
+    return build_checkpoint(path, CheckpointSpec("Qwen2Config", geometry))

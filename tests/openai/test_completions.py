@@ -3,6 +3,7 @@ gRPC `Generate` of the same engine for the same request."""
 
 from __future__ import annotations
 
+import codecs
 import json
 
 import pytest
@@ -18,6 +19,13 @@ def sse_payloads(text: str) -> list:
     assert all(e.startswith("data: ") and "\n" not in e for e in events), events
     assert events[-1] == "data: [DONE]"
     return [json.loads(e[len("data: ") :]) for e in events[:-1]]
+
+
+def shown_bytes(token: str) -> bytes:
+    """A logprobs token string back to its bytes (`bytes:\\xNN..` for a part of a character)."""
+    if token.startswith("bytes:"):
+        return bytes(int(h, 16) for h in token[len("bytes:") :].split("\\x")[1:])
+    return token.encode()
 
 
 # -- the real model: equal tokens, logprobs ------------------------------------------------
@@ -36,8 +44,14 @@ def test_greedy_completion_equals_grpc_generate(real):
     choice = r.choices[0]
     assert choice.text == ref.text
     assert choice.logprobs.token_logprobs == pytest.approx(ref.logprobs, abs=0)
-    assert len(choice.logprobs.tokens) == 24 and "".join(choice.logprobs.tokens) == ref.text
-    assert choice.logprobs.top_logprobs is None
+    tokens = choice.logprobs.tokens
+    assert len(tokens) == 24
+    # each token shows its own bytes (ids >= 256 are the byte tokenizer's special tokens, not text)
+    pieces = [shown_bytes(t) for t, i in zip(tokens, ref.token_ids, strict=True) if i < 256]
+    assert pieces == [bytes([i]) for i in ref.token_ids if i < 256]
+    assert b"".join(pieces).decode("utf-8", errors="replace") == ref.text
+    # logprobs: 0 -> no alternatives, only the chosen token (vLLM's shape)
+    assert choice.logprobs.top_logprobs == [{t: lp} for t, lp in zip(tokens, ref.logprobs, strict=True)]
     assert choice.finish_reason == "length"
     assert r.usage.prompt_tokens == ref.usage.prompt_tokens == len(b"The paged KV cache")
     assert r.usage.completion_tokens == 24 and r.usage.total_tokens == r.usage.prompt_tokens + 24
@@ -94,8 +108,14 @@ def test_token_id_prompt_and_one_top_logprob_at_temperature_zero(real):
     real.stack.wait_idle()
     lp = r.choices[0].logprobs
     assert lp.token_logprobs == ref.logprobs
+    # greedy: the most likely alternative is the chosen token itself
     assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, ref.logprobs, strict=True)]
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    # a token starts after the characters completed before it (special tokens add none)
+    decoder, chars, want = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0, []
+    for t in ref.token_ids:
+        want.append(chars)
+        chars += len(decoder.decode(bytes([t]) if t < 256 else b""))
+    assert lp.text_offset == want
 
 
 def test_streaming_concatenates_to_the_non_streaming_text(real):
@@ -218,3 +238,16 @@ def test_models_lists_the_served_model(sim):
     models = sim.sdk().models.list().data
     assert [m.id for m in models] == [sim.model] == ["sim"]
     assert models[0].owned_by == "pagedkv" and models[0].model_extra["max_model_len"] == 4096
+
+
+def test_unknown_and_ignored_fields_are_named_not_silently_dropped(sim, caplog):
+    with sim.http() as http:
+        body = {"prompt": "x", "max_tokens": 2, "user": "u", "frobnicate": 3, "guided_json": {}}
+        resp = http.post("/v1/completions", json=body)
+        clean = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        streamed = http.post("/v1/completions", json={**body, "stream": True})
+    sim.stack.wait_idle()
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-pagedkv-ignored-fields"] == "frobnicate,guided_json,user"
+    assert streamed.headers["x-pagedkv-ignored-fields"] == "frobnicate,guided_json,user"
+    assert "x-pagedkv-ignored-fields" not in clean.headers

@@ -39,21 +39,29 @@ BAD_COMPLETIONS = [
     ({"temperature": -1}, None, None, "temperature"),  # the Engine's check, its message
     ({"prompt": [99999]}, None, None, "outside the vocabulary"),
     ({"max_tokens": 5000}, None, None, "max length"),
-    ({"max_tokens": 0}, "max_tokens", None, "max_tokens"),
     ({"max_tokens": "many"}, "max_tokens", None, "integer"),
     ({"prompt": None}, "prompt", None, "prompt"),
     ({"prompt": []}, "prompt", None, "empty"),
     ({"prompt": [-1]}, "prompt", None, ">= 0"),
     ({"n": 0}, "n", None, "n must be"),
     ({"top_p": 0}, "top_p", None, "top_p"),
-    ({"logprobs": 2}, "logprobs", "unsupported_parameter", "sampled token"),
-    ({"logprobs": 1, "temperature": 0.7}, "logprobs", "unsupported_parameter", "temperature 0"),
-    ({"echo": True}, "echo", "unsupported_parameter", "prompt"),
+    ({"logprobs": 6}, "logprobs", None, "logprobs must be in [0, 5]"),
     ({"suffix": "x"}, "suffix", "unsupported_parameter", "fill-in-the-middle"),
     ({"best_of": 3}, "best_of", "unsupported_parameter", "use n"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter", "penalties"),
-    ({"logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter", "logit bias"),
-    ({"min_tokens": 3}, "min_tokens", "unsupported_parameter", "minimum"),
+    ({"presence_penalty": 2.5}, None, None, "presence_penalty must be in [-2, 2]"),
+    ({"frequency_penalty": -3}, None, None, "frequency_penalty must be in [-2, 2]"),
+    ({"repetition_penalty": 0}, None, None, "repetition_penalty must be > 0"),
+    ({"repetition_penalty": -1.5}, None, None, "repetition_penalty must be > 0"),
+    ({"logit_bias": {"1": 150}}, None, None, "logit_bias for token 1 must be in [-100, 100]"),
+    ({"logit_bias": {"99999": 5}}, None, None, "logit_bias: token id 99999 is outside the vocabulary"),
+    ({"logit_bias": {"one": 5}}, "logit_bias", None, "keys must be token ids"),
+    ({"allowed_token_ids": [99999]}, None, None, "allowed_token_ids: token id 99999"),
+    ({"min_tokens": 10}, None, None, "min_tokens (10) must be <= max_tokens (4)"),
+    ({"min_tokens": -1}, "min_tokens", None, "min_tokens must be >= 0"),
+    ({"min_p": 1.5}, None, None, "min_p must be in [0, 1]"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", None, "prompt_logprobs must be in [0, 20]"),
+    ({"max_tokens": 0, "echo": False}, "max_tokens", None, "0 only with echo"),
+    ({"use_beam_search": True, "n": 2, "presence_penalty": 0.5}, None, None, "beam"),
     ({"stream_options": {"include_usage": True}}, "stream_options", None, "stream: true"),
     ({"seed": -1}, "seed", None, "seed"),
 ]
@@ -61,9 +69,28 @@ BAD_COMPLETIONS = [
 
 @pytest.mark.parametrize("fields,param,code,text", BAD_COMPLETIONS, ids=lambda v: str(v)[:40])
 def test_bad_completion_requests_are_400(sim, fields, param, code, text):
+    before = sim.stack.client.stats().blocks_allocated_total
     with sim.http() as http:
         resp = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, **fields})
     error = assert_error(resp, 400, param, code)
+    assert text in error["message"]
+    assert sim.stack.client.stats().blocks_allocated_total == before  # refused before any block
+
+
+BAD_CHAT = [
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20]"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+    ({"echo": True}, "echo", "do not echo"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
+]
+
+
+@pytest.mark.parametrize("fields,param,text", BAD_CHAT, ids=lambda v: str(v)[:40])
+def test_bad_chat_requests_are_400(sim, fields, param, text):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+    with sim.http() as http:
+        resp = http.post("/v1/chat/completions", json=body)
+    error = assert_error(resp, 400, param)
     assert text in error["message"]
 
 
