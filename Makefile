@@ -18,7 +18,7 @@ KERNEL_SRC := $(wildcard kernels/cpu_*.c kernels/cpu_*.h) kernels/cpu_build.py
 KERNEL_STAMP := kernels/prebuilt/.stamp
 PYTEST_ARGS ?=
 
-.PHONY: all setup proto run test test-gpu bench bench-quick bench-gpu bench-peer soak device-wheels lint clean
+.PHONY: all setup lmeval-env proto run test test-gpu bench bench-quick bench-gpu bench-peer soak device-wheels lint clean
 
 all: test
 
@@ -51,8 +51,27 @@ $(KERNEL_STAMP): $(KERNEL_SRC) $(STAMP)
 run: setup
 	$(BIN)/pagedkv serve $(ARGS)
 
-test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+# lm-eval (tests/openai/test_lm_eval.py runs its CLI against the HTTP front) in a venv of its own:
+# its pins (datasets, evaluate, ...) stay out of .venv. The API extra only: no torch (its `hf`
+# extra would pull torch; the check below fails the build if anything does). transformers is
+# pinned to .venv's version, for its tokenizer backend. The stamp's name carries the pins, so
+# changing one rebuilds. ~1 min and ~0.9 GB from the package index.
+LMEVAL_VENV ?= .venv-lmeval
+LMEVAL_SPEC ?= lm_eval[api]==0.4.13 transformers==5.24.0
+LMEVAL_STAMP := $(LMEVAL_VENV)/.installed-$(shell echo '$(LMEVAL_SPEC)' | tr -c 'A-Za-z0-9.=\n' '_')
+$(LMEVAL_STAMP):
+	rm -f $(LMEVAL_VENV)/.installed-*
+	test -x $(LMEVAL_VENV)/bin/python || $(PYTHON) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LMEVAL_VENV)/bin/python -m pip install -q $(foreach s,$(LMEVAL_SPEC),"$(s)")
+	! $(LMEVAL_VENV)/bin/python -m pip show -q torch 2>/dev/null || \
+		(echo "lmeval-env: something pulled torch into $(LMEVAL_VENV); install $(TORCH_SPEC) there first" >&2; false)
+	touch $@
+
+lmeval-env: $(LMEVAL_STAMP)
+
+test: setup lmeval-env
+	PAGEDKV_LMEVAL_VENV=$(LMEVAL_VENV) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-gpu: setup
 	$(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
@@ -120,5 +139,5 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) base/v1 kernels/prebuilt build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(LMEVAL_VENV) base/v1 kernels/prebuilt build *.egg-info .pytest_cache .ruff_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
