@@ -1,9 +1,16 @@
-"""CPU forward (issues 14, 25): the fast CPU forward at the dtypes checkpoints ship in, as a
+"""CPU forward (issues 14, 25, 26): the fast CPU forward at the dtypes checkpoints ship in, as a
 fraction of what this machine can do, measured in the same run.
 
 Shapes (random weights): "small" = preset `qwen3-small-fp32` (hidden 512, 8 layers, 8/4 heads,
 MLP 1536, vocab 32000; run at fp32 and at bf16), and in a full run "0.5b" = preset
 `qwen2.5-0.5b` (hidden 896, 24 layers, 14/2 heads, MLP 4864, vocab 151936, tied; bf16 and fp32).
+
+Quantized weights (issue 26), both shapes: the same random checkpoint's decoder linears written as
+AutoAWQ GEMM int4 (group 128, asymmetric: Qwen3-8B-AWQ's format) and GPTQ int8 (group 128,
+symmetric) by bench/quant_writer.py, served with the rest (embeddings, norms, tied lm_head) in
+bf16; `awq-int4-lmh8` also holds that lm_head as int8 (`--lm-head-int8`, as llama.cpp's Q4_0 file
+keeps it at Q8_0). Their packed-GEMM ceiling is the bf16 one of the same shapes (the dense GEMM
+the quantized layers replace) and they have no ISA peak figure.
 
 Per shape and dtype:
 - decode step at batch 1, 16 and 64 (128-token prompts, then one token per sequence per step),
@@ -29,17 +36,35 @@ import torch
 from base.plan import SamplingParams
 from bench.ceilings import isa_peak_gflops, memory_read_bandwidth_gbs, packed_gemm_gflops
 from bench.common import TimedWorker, engine_for, median
+from bench.quant_writer import QuantSpec, quantize_checkpoint
 from bench.suite_cli import suite_main
+from worker.default_model import ensure_random_model
 from worker.worker import Worker
 from worker.worker_config import WorkerConfig
 
 MODELS = {"small": "random:qwen3-small-fp32", "0.5b": "random:qwen2.5-0.5b"}
 PROMPT_LEN = 128
+# weights -> (quantization written over the preset, --lm-head-int8); dense dtypes have none.
+QUANTIZED = {
+    "awq-int4": (QuantSpec("awq", 4, 128), False),
+    "awq-int4-lmh8": (QuantSpec("awq", 4, 128), True),
+    "gptq-int8": (QuantSpec("gptq", 8, 128, sym=True), False),
+}
 
 
-def _worker(shape: str, dtype: str, kind: str) -> Worker:
-    config = WorkerConfig(model=MODELS[shape], dtype=dtype, cpu_kernels=kind, kv_cache_memory=1 << 30,
-                          max_model_len=1024)  # fmt: skip
+def _model(shape: str, weights: str) -> str:
+    if weights not in QUANTIZED:
+        return MODELS[shape]
+    spec = QUANTIZED[weights][0]
+    base = ensure_random_model(MODELS[shape].removeprefix("random:"))
+    return str(quantize_checkpoint(base, base.parent / f"{base.name}-{spec.name}", spec))
+
+
+def _worker(shape: str, weights: str, kind: str) -> Worker:
+    quantized = weights in QUANTIZED
+    config = WorkerConfig(model=_model(shape, weights), dtype="bfloat16" if quantized else weights,
+                          cpu_kernels=kind, kv_cache_memory=1 << 30, max_model_len=1024,
+                          lm_head_int8=quantized and QUANTIZED[weights][1])  # fmt: skip
     worker = Worker(config)
     if kind == "fast" and worker.forward_kind != "cpu-fast":
         raise RuntimeError(
@@ -103,19 +128,21 @@ def checkpoint_bytes(worker: Worker) -> int:
     return sum(p.stat().st_size for p in worker.model_dir.glob("*.safetensors"))
 
 
-def measure(shape: str, dtype: str, quick: bool, peaks: dict, bandwidth: float) -> dict:
-    """One shape at one dtype: the figures listed in the module docstring, keyed `<shape>_<dtype>_*`."""
-    kinds = ("fast", "reference") if shape == "small" else ("fast",)
-    workers = {kind: _worker(shape, dtype, kind) for kind in kinds}
+def measure(shape: str, weights: str, quick: bool, peaks: dict, bandwidth: float) -> dict:
+    """One shape with one kind of weights (a dtype or a QUANTIZED name): the figures listed in the
+    module docstring, keyed `<shape>_<weights>_*`."""
+    kinds = ("fast", "reference") if shape == "small" and weights not in QUANTIZED else ("fast",)
+    workers = {kind: _worker(shape, weights, kind) for kind in kinds}
     fast = workers["fast"]
-    prefix, res = f"{shape}_{dtype}", {}
+    prefix, res = f"{shape}_{weights}", {}
     shapes = step_shapes(fast)
     resident = fast.fast_forward.resident_weight_bytes
     res[f"{prefix}_resident_weight_bytes"] = resident
     res[f"{prefix}_resident_over_checkpoint"] = (
-        resident / checkpoint_bytes(fast) if dtype == "bfloat16" else None
+        resident / checkpoint_bytes(fast) if weights != "float32" else None
     )
-    peak = peaks["bf16" if dtype == "bfloat16" else "fp32"]
+    dtype = "float32" if weights == "float32" else "bfloat16"  # of the packed-GEMM ceiling
+    peak = None if weights in QUANTIZED else peaks["bf16" if dtype == "bfloat16" else "fp32"]
     for batch in (1, 16, 64) if not quick else (1, 64):
         steps = decode_steps(workers, batch, 4 if quick else 16)
         flops = sum(2 * batch * n * k for n, k in shapes)
@@ -145,11 +172,22 @@ def run(quick: bool = False) -> dict:
     res["isa_peak_fp32_gflops"], res["isa_peak_bf16_gflops"] = peaks["fp32"], peaks["bf16"]
     size = (256 if quick else 2048) << 20
     before = memory_read_bandwidth_gbs(res["threads"], size)
-    cases = [("small", "float32"), ("small", "bfloat16")]
+    cases = [("small", w) for w in ("float32", "bfloat16", "awq-int4", "gptq-int8")]
     if not quick:
-        cases += [("0.5b", "bfloat16"), ("0.5b", "float32")]
-    for shape, dtype in cases:
-        res.update(measure(shape, dtype, quick, peaks, before))
+        cases += [("0.5b", w) for w in ("bfloat16", "float32", "awq-int4", "awq-int4-lmh8", "gptq-int8")]
+    for shape, weights in cases:
+        res.update(measure(shape, weights, quick, peaks, before))
+    for shape, weights in cases:  # what the quantized weights buy over bf16 in the same run
+        if weights not in QUANTIZED:
+            continue
+        bf16, q = f"{shape}_bfloat16", f"{shape}_{weights}"
+        resident = res[f"{q}_resident_weight_bytes"]
+        res[f"{q}_resident_over_bf16"] = resident / res[f"{bf16}_resident_weight_bytes"]
+        for batch in (1, 16, 64):
+            if f"{q}_decode_b{batch}_fast_step_ms" in res:
+                res[f"{q}_decode_b{batch}_speedup_over_bf16"] = (
+                    res[f"{bf16}_decode_b{batch}_fast_step_ms"] / res[f"{q}_decode_b{batch}_fast_step_ms"]
+                )
     after = memory_read_bandwidth_gbs(res["threads"], size)
     res["read_bandwidth_gbs_before"], res["read_bandwidth_gbs_after"] = before, after
     return res

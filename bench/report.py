@@ -47,6 +47,14 @@ GOALS = (
          "bf16 single-stream decode, 0.5B shape: weight bytes per token / read bandwidth / step time"),
     Goal("cpu_forward", "0.5b_bfloat16_resident_over_checkpoint", "<=", 1.05,
          "resident weight bytes of a bf16 checkpoint / its safetensors size"),
+    Goal("cpu_forward", "0.5b_awq-int4_resident_over_bf16", "<=", 0.35,
+         "resident weight bytes, AWQ int4 checkpoint / the same model in bf16 (issue 26)"),
+    Goal("cpu_forward", "0.5b_awq-int4_decode_b16_speedup_over_bf16", ">=", 1.0,
+         "AWQ int4 decode step at batch 16 vs bf16, 0.5B shape (vLLM CPU: 0.60x)"),
+    Goal("cpu_forward", "0.5b_awq-int4_decode_b64_speedup_over_bf16", ">=", 1.0,
+         "the same at batch 64"),
+    Goal("cpu_forward", "0.5b_awq-int4_decode_b1_fraction_of_bandwidth", ">=", 0.60,
+         "AWQ int4 single-stream decode: bytes it reads per token / read bandwidth / step time"),
     Goal("launch_args", "decode_pack_us", "<=", 10.0,
          "host cost of packing one decode-kernel launch's 16 arguments (us, CPU)"),
     Goal("overhead", "itl_c1_ratio_overlap", "<=", 1.05,
@@ -57,6 +65,12 @@ GOALS = (
          "steps/s at 1 client / ideal, served (overlap), worker paced at 0.5 ms a step"),
     Goal("overhead", "paced0.5_overlap3_ideal_ratio", ">=", 0.9,
          "the same with --plans-in-flight 3"),
+    Goal("sampling", "b64_penalties_step_ratio", "<=", 1.10,
+         "decode step at batch 64 with repetition, presence and frequency penalties / without (CPU)"),
+    Goal("sampling", "b64_top20_logprobs_step_ratio", "<=", 1.05,
+         "decode step at batch 64 returning top-20 logprobs of every token / without (CPU)"),
+    Goal("sampling", "prompt_logprobs_1k_prefill_ratio", "<=", 1.2,
+         "prefill of a 1024-token prompt with prompt_logprobs=5 / without (CPU)"),
 )  # fmt: skip
 
 

@@ -1,10 +1,11 @@
 """Quantized test checkpoints and their oracles, written from each format's spec, never from
 worker/quant (the code under test).
 
-Writers: AutoAWQ GEMM and GPTQ (v1 "gptq" and v2 "gptq_v2") are packed here, by round-to-nearest
-quantization of a tiny random model's decoder linears (q/k/v/o/gate/up/down; never embeddings or
-lm_head), in the layout AutoAWQ's WQLinear_GEMM.from_linear and AutoGPTQ's QuantLinear.pack write;
-tests/worker/test_quant_formats.py pins each packer to words worked out by hand. compressed-tensors
+Writers: AutoAWQ GEMM and GPTQ (v1 "gptq" and v2 "gptq_v2") are packed by bench/quant_writer.py
+(shared with the benchmarks), by round-to-nearest quantization of a tiny random model's decoder
+linears (q/k/v/o/gate/up/down; never embeddings or lm_head), in the layout AutoAWQ's
+WQLinear_GEMM.from_linear and AutoGPTQ's QuantLinear.pack write; tests/worker/test_quant_formats.py
+pins each packer to words worked out by hand. compressed-tensors
 checkpoints are written by the compressed_tensors library itself (apply_quantization_config, its
 min/max qparams, ModelCompressor.compress_model, ModelCompressor.update_config for config.json).
 
@@ -16,32 +17,27 @@ float32 Hugging Face model, the model pagedkv must match.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of word j holds output column 8j + AWQ_ORDER[i]
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    method: str  # "awq" | "gptq" (v1) | "gptq_v2" | "ct" (compressed-tensors)
-    bits: int = 4
-    group: int = 32  # input features per scale; 0 = one group per output channel
-    sym: bool = False
-    ct_format: str = "pack-quantized"  # or "int-quantized" (W8A8)
-    scale_dtype: torch.dtype = torch.float16
-
-    @property
-    def name(self) -> str:
-        group = f"g{self.group}" if self.group else "channel"
-        fmt = "-w8a8" if self.ct_format == "int-quantized" and self.method == "ct" else ""
-        return f"{self.method}{fmt}-int{self.bits}-{group}-{'sym' if self.sym else 'asym'}"
-
+from bench.quant_writer import (  # noqa: F401  (re-exported: the tests import them from here)
+    AWQ_ORDER,
+    QuantSpec,
+    awq_config,
+    gptq_config,
+    pack_awq,
+    pack_columns,
+    pack_rows,
+    rtn,
+    to_int32,
+    write_awq,
+    write_gptq,
+    write_quantized,
+)
 
 LLAMA, QWEN2, QWEN3 = "llama-gqa-derived-head-dim", "qwen2-mqa-bias", "qwen3-head-dim-tied"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -74,61 +70,6 @@ def quantized_layers(model) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.")]
 
 
-# ---- round-to-nearest quantization (GPTQ's Quantizer / AutoAWQ's pseudo_quantize_tensor math) ----
-
-
-def rtn(w: Tensor, bits: int, group: int, sym: bool, scale_dtype: torch.dtype, min_zero: int = 0):
-    """w [N, K] -> codes int64 [N, K] in [0, 2^bits), scales [N, G] (scale_dtype), zeros int64 [N, G].
-    Scales are rounded to their stored dtype before the codes are chosen (what ships is what counts)."""
-    n, k = w.shape
-    group = group or k
-    maxq = (1 << bits) - 1
-    g = w.float().view(n, k // group, group)
-    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-    if sym:
-        hi = torch.maximum(hi, -lo)
-        scales = (2 * hi / maxq).clamp(min=1e-5).to(scale_dtype)
-        zeros = torch.full_like(scales, (maxq + 1) // 2, dtype=torch.int64)
-    else:
-        scales = ((hi - lo) / maxq).clamp(min=1e-5).to(scale_dtype)
-        zeros = torch.round(-lo / scales.float()).to(torch.int64).clamp(min_zero, maxq)
-    codes = torch.round(g / scales.float()[..., None]).to(torch.int64) + zeros[..., None]
-    return codes.clamp(0, maxq).view(n, k), scales, zeros
-
-
-# ---- packers: unsigned codes -> int32 words ----
-
-
-def to_int32(words: Tensor) -> Tensor:
-    """int64 words in [0, 2^32) -> the int32 tensors checkpoints store (bit pattern kept)."""
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-
-
-def pack_awq(t: Tensor) -> Tensor:
-    """[R, C] 4-bit codes -> int32 [R, C / 8]: nibble i (bits 4i..4i+3) of word j holds column
-    8j + AWQ_ORDER[i] (WQLinear_GEMM.from_linear's order_map)."""
-    t = t.to(torch.int64)
-    words = torch.zeros(t.shape[0], t.shape[1] // 8, dtype=torch.int64)
-    for i, column in enumerate(AWQ_ORDER):
-        words |= t[:, column::8] << (4 * i)
-    return to_int32(words)
-
-
-def pack_rows(t: Tensor, bits: int) -> Tensor:
-    """GPTQ qweight: [K, N] codes -> int32 [K * bits / 32, N]; word r of a column holds rows
-    r * (32 / bits) + j at bits j * bits (low bits first)."""
-    per, t = 32 // bits, t.to(torch.int64)
-    words = torch.zeros(t.shape[0] // per, t.shape[1], dtype=torch.int64)
-    for j in range(per):
-        words |= t[j::per] << (bits * j)
-    return to_int32(words)
-
-
-def pack_columns(t: Tensor, bits: int) -> Tensor:
-    """GPTQ qzeros: [G, N] -> int32 [G, N * bits / 32], along N, low bits first."""
-    return pack_rows(t.t(), bits).t().contiguous()
-
-
 # ---- unpackers (the oracle side) ----
 
 
@@ -149,48 +90,6 @@ def unpack_rows(words: Tensor, bits: int) -> Tensor:
     for j in range(per):
         out[j::per] = _bits(words, bits * j, bits)
     return out
-
-
-# ---- writers: one layer's tensors, by suffix ----
-
-
-def write_awq(w: Tensor, spec: QuantSpec) -> dict[str, Tensor]:
-    codes, scales, zeros = rtn(w, 4, spec.group, False, spec.scale_dtype)
-    return {"qweight": pack_awq(codes.t()), "qzeros": pack_awq(zeros.t()), "scales": scales.t().contiguous()}
-
-
-def write_gptq(w: Tensor, spec: QuantSpec) -> dict[str, Tensor]:
-    v1 = spec.method == "gptq"
-    # v1 stores zero - 1 (AutoGPTQ's pack); a zero of 0 would be stored as -1 and smear into the
-    # neighbouring fields, so v1 writers never produce one (GPTQ's min <= 0 makes it rare anyway).
-    codes, scales, zeros = rtn(w, spec.bits, spec.group, spec.sym, spec.scale_dtype, min_zero=int(v1))
-    k = w.shape[1]
-    return {
-        "qweight": pack_rows(codes.t(), spec.bits),
-        "qzeros": pack_columns(zeros.t() - int(v1), spec.bits),
-        "scales": scales.t().contiguous(),
-        "g_idx": (torch.arange(k) // (spec.group or k)).to(torch.int32),
-    }
-
-
-def gptq_config(spec: QuantSpec) -> dict:
-    """quantization_config as AutoGPTQ (v1) / GPTQModel (v2) write it."""
-    return {
-        "quant_method": "gptq",
-        "bits": spec.bits,
-        "group_size": spec.group or -1,
-        "sym": spec.sym,
-        "desc_act": False,
-        "damp_percent": 0.01,
-        "true_sequential": True,
-        "checkpoint_format": spec.method,
-    }
-
-
-def awq_config(spec: QuantSpec) -> dict:
-    """quantization_config as AutoAWQ writes it."""
-    return {"quant_method": "awq", "bits": 4, "group_size": spec.group, "zero_point": True, "version": "gemm",
-            "modules_to_not_convert": None}  # fmt: skip
 
 
 def ct_quantization_config(spec: QuantSpec):
@@ -282,24 +181,6 @@ class QuantizedCheckpoint:
     tensors: dict[str, dict[str, Tensor]]  # layer -> {suffix: tensor}, as written
     dense: dict[str, Tensor]  # layer -> oracle weight [N, K]
     qconfig: object = None  # compressed-tensors: the library's QuantizationConfig
-
-
-def write_quantized(base_dir: Path, path: Path, written: dict, compressor=None, quantization_config=None):
-    """The base checkpoint's tensors with each quantized layer's `.weight` replaced by `written`
-    (layer -> {suffix: tensor}); config.json's quantization_config from the library's compressor
-    (compressed-tensors) or as given."""
-    path.mkdir(parents=True, exist_ok=True)
-    config = json.loads((base_dir / "config.json").read_text())
-    if quantization_config is not None:
-        config["quantization_config"] = quantization_config
-    (path / "config.json").write_text(json.dumps(config))
-    state = load_file(str(base_dir / "model.safetensors"))
-    for name, tensors in written.items():
-        del state[f"{name}.weight"]
-        state.update({f"{name}.{suffix}": tensor for suffix, tensor in tensors.items()})
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    if compressor is not None:
-        compressor.update_config(str(path))  # the library writes quantization_config itself
 
 
 def quantized_checkpoint(base_dir: Path, hf_model, spec: QuantSpec, path: Path) -> QuantizedCheckpoint:
