@@ -36,7 +36,8 @@ import torch
 from base.plan import SamplingParams
 from bench.ceilings import isa_peak_gflops, memory_read_bandwidth_gbs, packed_gemm_gflops
 from bench.common import TimedWorker, engine_for, median
-from bench.quant_writer import QuantSpec, quantize_checkpoint
+from bench.quant_writer import BENCH_QUANTS as QUANTIZED
+from bench.quant_writer import bench_checkpoint
 from bench.suite_cli import suite_main
 from worker.default_model import ensure_random_model
 from worker.worker import Worker
@@ -44,20 +45,12 @@ from worker.worker_config import WorkerConfig
 
 MODELS = {"small": "random:qwen3-small-fp32", "0.5b": "random:qwen2.5-0.5b"}
 PROMPT_LEN = 128
-# weights -> (quantization written over the preset, --lm-head-int8); dense dtypes have none.
-QUANTIZED = {
-    "awq-int4": (QuantSpec("awq", 4, 128), False),
-    "awq-int4-lmh8": (QuantSpec("awq", 4, 128), True),
-    "gptq-int8": (QuantSpec("gptq", 8, 128, sym=True), False),
-}
 
 
 def _model(shape: str, weights: str) -> str:
     if weights not in QUANTIZED:
         return MODELS[shape]
-    spec = QUANTIZED[weights][0]
-    base = ensure_random_model(MODELS[shape].removeprefix("random:"))
-    return str(quantize_checkpoint(base, base.parent / f"{base.name}-{spec.name}", spec))
+    return str(bench_checkpoint(ensure_random_model(MODELS[shape].removeprefix("random:")), weights))
 
 
 def _worker(shape: str, weights: str, kind: str) -> Worker:

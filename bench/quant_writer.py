@@ -133,6 +133,28 @@ def awq_config(spec: QuantSpec) -> dict:
             "modules_to_not_convert": None}  # fmt: skip
 
 
+# The quantized weights the benchmarks serve, by name -> (format written over a dense random
+# checkpoint, whether the worker also holds the dense lm_head as int8: `--lm-head-int8`, as
+# llama.cpp's Q4_0 file keeps its output at Q8_0). AWQ int4 g128 is Qwen3-8B-AWQ's format.
+BENCH_QUANTS = {
+    "awq-int4": (QuantSpec("awq", 4, 128), False),
+    "awq-int4-lmh8": (QuantSpec("awq", 4, 128), True),
+    "gptq-int8": (QuantSpec("gptq", 8, 128, sym=True), False),
+}
+INT8_ROW_GROUP = 128  # --lm-head-int8: one fp32 scale and one uint8 zero per row and 128 inputs
+
+
+def lm_head_int8_bytes(n: int, k: int) -> int:
+    """Resident bytes of an [n, k] lm_head held by `--lm-head-int8` (codes + scales + zeros)."""
+    return n * k + (n * k // INT8_ROW_GROUP) * 5
+
+
+def bench_checkpoint(base_dir: Path, name: str) -> Path:
+    """`base_dir`'s checkpoint quantized as BENCH_QUANTS[name], cached beside it."""
+    spec = BENCH_QUANTS[name][0]
+    return quantize_checkpoint(base_dir, base_dir.parent / f"{base_dir.name}-{spec.name}", spec)
+
+
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

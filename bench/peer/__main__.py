@@ -8,7 +8,9 @@ under test, 2 threads per engine:
   bench/peer/vllm_driver.py; pagedkv through bench/peer/pagedkv_driver.py, served (two
   processes, gRPC clients) and in process (pagedkv.offline.LLM, vLLM's LLM.generate).
 - figures: per engine and dtype, prompt tok/s, decode ms/token at batch 1 (depth 256), and
-  16-stream tok/s, on the Qwen2.5-0.5B shape by default, with llama.cpp (F32 / BF16 GGUFs
+  16-stream tok/s, on the Qwen2.5-0.5B shape by default, with pagedkv also serving the bf16
+  checkpoint's decoder linears as AWQ int4 and GPTQ int8 (bench/quant_writer.py; issue 26) and
+  llama.cpp (F32 / BF16 GGUFs
   converted bit-identically from the same safetensors, plus Q8_0 and Q4_0) timed by its own
   llama-bench and llama-batched-bench (bench/peer/llamacpp_driver.py; built once outside the
   repo by the Makefile). Decode is compared with the memory-bandwidth limit: weight bytes read
@@ -45,6 +47,7 @@ from bench.peer.units import (
     vllm_env,
 )  # fmt: skip
 from bench.peer.workloads import build, build_figures, describe, figure_sizes
+from bench.quant_writer import BENCH_QUANTS, bench_checkpoint
 from bench.report import commit, machine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +70,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--quants", default=",".join(llamacpp_driver.QUANTS), help="llama.cpp quantized rows ('' none)"
     )
+    ap.add_argument("--pagedkv-quants", default=",".join(BENCH_QUANTS),
+                    help="pagedkv's quantized figure rows, from the bf16 checkpoint ('' none)")  # fmt: skip
     ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
     ap.add_argument("--llamacpp-dir", type=Path, default=llamacpp_driver.LLAMACPP_DIR)
     ap.add_argument("--out", type=Path, default=report.RESULTS)
@@ -81,6 +86,11 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown engine or part: {', '.join(sorted(unknown))}")
     args.quant_list = tuple(filter(None, args.quants.split(","))) if "llamacpp" in args.engine_set else ()
+    args.pagedkv_quant_list = tuple(filter(None, args.pagedkv_quants.split(",")))
+    if "pagedkv" not in args.engine_set or "figures" not in args.part_set:
+        args.pagedkv_quant_list = ()
+    if set(args.pagedkv_quant_list) - set(BENCH_QUANTS):
+        ap.error(f"--pagedkv-quants: choose from {', '.join(BENCH_QUANTS)}")
     args.rounds = 1 if args.quick else args.rounds
     return args
 
@@ -104,6 +114,7 @@ def plan_units(args: argparse.Namespace) -> list[Unit]:
             if "llamacpp" in engines:
                 units.append(Unit("llamacpp", llamacpp_driver.OUTTYPE[dtype], dtype, "figures"))
     if "figures" in args.part_set:
+        units += [Unit("pagedkv", "served", quant, "figures") for quant in args.pagedkv_quant_list]
         units += [Unit("llamacpp", quant, quant, "figures") for quant in args.quant_list]
     return units
 
@@ -119,6 +130,9 @@ def prepare(args: argparse.Namespace) -> tuple[Context, str]:
         specs[part].write_text(json.dumps(builder(args.quick)))
         for dtype in args.dtypes:
             models[(part, dtype)] = ensure_checkpoint(shape, dtype)
+        if part == "figures":
+            for quant in args.pagedkv_quant_list:
+                models[(part, quant)] = bench_checkpoint(ensure_checkpoint(shape, "bfloat16"), quant)
     ggufs = {}
     if "figures" in args.part_set and "llamacpp" in args.engine_set:
         ggufs = llamacpp_driver.prepare(args.llamacpp_dir, args.figures_shape, args.dtypes, args.quant_list)
@@ -177,7 +191,9 @@ def engine_figures(args: argparse.Namespace, results: dict, ctx: Context, spec: 
             if unit.engine == "llamacpp":  # its mode is the GGUF type: F32, BF16, Q8_0, ...
                 weight_bytes, label = ctx.ggufs[unit.mode]["weight_bytes_per_token"], unit.mode
             else:
-                weight_bytes = weight_bytes_per_token(ctx.models[("figures", unit.dtype)])
+                weight_bytes = weight_bytes_per_token(ctx.models[("figures", unit.dtype)],
+                                                      lm_head_int8=unit.dtype in BENCH_QUANTS
+                                                      and BENCH_QUANTS[unit.dtype][1])  # fmt: skip
                 label = unit.dtype
             rows.append(summ.figure_row(unit.engine, label, rounds, spec, weight_bytes))
     config = json.loads((ctx.models[("figures", args.dtypes[0])] / "config.json").read_text())

@@ -72,14 +72,20 @@ def safetensors_header(path: Path) -> dict:
     return header
 
 
-def weight_bytes_per_token(model_dir: Path) -> int:
+def weight_bytes_per_token(model_dir: Path, lm_head_int8: bool = False) -> int:
     """Bytes of weights one decode step at batch 1 reads: every tensor once, except an untied
-    input embedding, of which it reads one row (a tied one is read whole as the LM head)."""
-    sizes = {}
+    input embedding, of which it reads one row (a tied one is read whole as the LM head). With
+    `lm_head_int8` the worker holds the LM head as int8 codes (`--lm-head-int8`) and reads those."""
+    sizes, shapes = {}, {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         for name, info in safetensors_header(file).items():
             begin, end = info["data_offsets"]
-            sizes[name] = end - begin
+            sizes[name], shapes[name] = end - begin, info["shape"]
     if "lm_head.weight" in sizes:
         sizes.pop("model.embed_tokens.weight", None)
+    head = "lm_head.weight" if "lm_head.weight" in sizes else "model.embed_tokens.weight"
+    if lm_head_int8:
+        from bench.quant_writer import lm_head_int8_bytes
+
+        sizes[head] = lm_head_int8_bytes(*shapes[head])
     return sum(sizes.values())

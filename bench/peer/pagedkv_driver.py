@@ -2,7 +2,8 @@
 vllm_driver.py.
 
     python -m bench.peer.pagedkv_driver MODEL_DIR SPEC.json OUT.json MODE [DTYPE]
-    MODE: served | inproc; DTYPE (default float32): the worker's --dtype
+    MODE: served | inproc; DTYPE (default float32): the worker's --dtype, or a quantized
+    checkpoint's name in bench/quant_writer.py's BENCH_QUANTS (served at bfloat16)
 
 served: `pagedkv worker` + `pagedkv control` as two processes (bench/process_stack.py), the
 client here: "stream" workloads stream through AsyncClient one request after another; "batch"
@@ -18,6 +19,7 @@ import time
 
 from bench.e2e import stream_request
 from bench.process_stack import ProcessStack
+from bench.quant_writer import BENCH_QUANTS
 from control_plane.scheduler_config import SchedulerConfig
 from pagedkv.client import AsyncClient
 
@@ -42,8 +44,11 @@ async def _served(address: str, spec: dict) -> dict:
 
 def run_served(model: str, spec: dict, dtype: str) -> dict:
     config = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    extra = ("--lm-head-int8",) if dtype in BENCH_QUANTS and BENCH_QUANTS[dtype][1] else ()
+    dtype = "bfloat16" if dtype in BENCH_QUANTS else dtype
     started = time.perf_counter()
-    with ProcessStack(config, worker_args=("--model", model, "--dtype", dtype, *WORKER_ARGS)) as stack:
+    worker_args = ("--model", model, "--dtype", dtype, *extra, *WORKER_ARGS)
+    with ProcessStack(config, worker_args=worker_args) as stack:
         out = {"engine_start_s": time.perf_counter() - started}
         out.update(asyncio.run(_served(stack.address, spec)))
     return out

@@ -10,6 +10,8 @@ import statistics
 # llama.cpp's own kernels run them, not oneDNN).
 GEMM_DTYPE = {"float32": "float32", "F32": "float32", "bfloat16": "bfloat16", "BF16": "bfloat16"}
 DTYPE_LABEL = {"float32": "fp32", "bfloat16": "bf16"}
+# pagedkv's quantized rows (bench/quant_writer.py BENCH_QUANTS) -> the llama.cpp type they face.
+LLAMACPP_PEER = {"awq-int4": "Q4_0", "awq-int4-lmh8": "Q4_0", "gptq-int8": "Q8_0"}
 
 
 def bandwidth_gbs(summary: dict) -> float | None:
@@ -68,7 +70,7 @@ def ratios(summary: dict) -> dict[str, float]:
         if engine != "pagedkv":
             continue
         for peer in ("vLLM", "llama.cpp"):
-            other = by.get((peer, dtype))
+            other = by.get((peer, LLAMACPP_PEER.get(dtype, dtype) if peer == "llama.cpp" else dtype))
             if other is None:
                 continue
             tag = f"{DTYPE_LABEL.get(dtype, dtype)}/{peer}"

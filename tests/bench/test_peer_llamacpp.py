@@ -80,6 +80,21 @@ def test_weight_bytes_per_token_reads_the_safetensors_header(tmp_path):
     assert checkpoint.weight_bytes_per_token(untied) == 1200  # the input embedding: one row
 
 
+def test_weight_bytes_per_token_with_an_int8_lm_head(tmp_path):
+    """--lm-head-int8: the tied [N, K] head is read as N*K int8 codes plus one fp32 scale and one
+    uint8 zero per 128 inputs of a row (worker/cpu_quant_weights.py quantize_int8)."""
+    shapes = {"model.embed_tokens.weight": [64, 256], "model.layers.0.w": [4, 25]}
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 2 * shape[0] * shape[1]
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + b"\0" * offset)
+    assert checkpoint.weight_bytes_per_token(tmp_path) == 2 * 64 * 256 + 200
+    assert checkpoint.weight_bytes_per_token(tmp_path, lm_head_int8=True) == 64 * 256 + 64 * 2 * 5 + 200
+
+
 def test_plan_interleaves_dtypes_engines_and_quants(monkeypatch):
     monkeypatch.setattr("sys.argv", ["bench.peer", "--quick"])
     args = parse_args()
@@ -89,9 +104,15 @@ def test_plan_interleaves_dtypes_engines_and_quants(monkeypatch):
     assert keys[:4] == ["workloads/float32/vllm/stream", "workloads/float32/vllm/batch",
                         "workloads/float32/pagedkv/served", "workloads/float32/pagedkv/inproc"]  # fmt: skip
     assert "figures/float32/llamacpp/F32" in keys and "figures/bfloat16/llamacpp/BF16" in keys
-    assert keys[-2:] == ["figures/Q8_0/llamacpp/Q8_0", "figures/Q4_0/llamacpp/Q4_0"]
+    assert keys[-5:] == ["figures/awq-int4/pagedkv/served", "figures/awq-int4-lmh8/pagedkv/served",
+                         "figures/gptq-int8/pagedkv/served", "figures/Q8_0/llamacpp/Q8_0",
+                         "figures/Q4_0/llamacpp/Q4_0"]  # fmt: skip
     monkeypatch.setattr("sys.argv", ["bench.peer", "--dtype", "bfloat16", "--shape", "qwen2.5-0.5b",
                                      "--engines", "pagedkv", "--parts", "figures"])  # fmt: skip
     args = parse_args()
     assert args.figures_shape == "qwen2.5-0.5b" and args.quant_list == ()
-    assert [u.key for u in plan_units(args)] == ["figures/bfloat16/pagedkv/served"]
+    assert [u.key for u in plan_units(args)][:2] == ["figures/bfloat16/pagedkv/served",
+                                                     "figures/awq-int4/pagedkv/served"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", ["bench.peer", "--engines", "pagedkv", "--parts", "figures",
+                                     "--dtype", "bfloat16", "--pagedkv-quants", ""])  # fmt: skip
+    assert [u.key for u in plan_units(parse_args())] == ["figures/bfloat16/pagedkv/served"]

@@ -118,6 +118,13 @@ def test_engine_figures_medians_limits_and_ratios():
     assert report_figures.derived(q4, summary)["gemm_pct"] is None  # no oneDNN ceiling for Q4_0
     ratios = report_figures.ratios(summary)
     assert ratios["bf16/llama.cpp/decode"] == pytest.approx(28.0 / 35.0)
+    # pagedkv's AWQ int4 row faces llama.cpp's Q4_0 row
+    int4 = {**pagedkv, "dtype": "awq-int4", "decode_ms_per_token": 14.0}
+    summary["engine_figures"]["rows"].append(int4)
+    assert report_figures.ratios(summary)["awq-int4/llama.cpp/decode"] == pytest.approx(
+        q4["decode_ms_per_token"] / 14.0
+    )
+    summary["engine_figures"]["rows"].remove(int4)
     assert ratios["bf16/llama.cpp/prompt"] == pytest.approx(2560.0 / 500.0)
     text = report.markdown(summary)
     assert (
