@@ -142,16 +142,17 @@ class Sampler:
             chosen = [owners[s] for s in chunk]
             tokens[_index(chunk, logits)] = _draw(_rows_view(logits, chosen), [rows[i] for i in chosen], flat)
         token_list = tokens.tolist()
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs]
+        # one log-softmax over the rows that want the sampled logprob or alternatives (or both)
+        tabled = [i for i, row in enumerate(rows) if row.params.logprobs or row.params.top_logprobs]
+        table = torch.log_softmax(_rows_view(raw, tabled), dim=-1) if tabled else None
+        slot = {row: j for j, row in enumerate(tabled)}
         logprobs: list[float] = []
-        if wanted:
+        if any(rows[i].params.logprobs for i in tabled):
             picked = [s for s, i in enumerate(owners) if rows[i].params.logprobs]
-            slot = {row: j for j, row in enumerate(wanted)}
-            table = torch.log_softmax(_rows_view(raw, wanted), dim=-1)
             logprobs = table[
                 _index([slot[owners[s]] for s in picked], logits), tokens[_index(picked, logits)]
             ].tolist()
-        tops = _top_logprobs(raw, rows)
+        tops = _top_logprobs(table, slot, rows)
         results, s, lp = [], 0, 0
         for i, row in enumerate(rows):
             end = s + row.num_samples
@@ -166,13 +167,16 @@ class Sampler:
         return results
 
 
-def _top_logprobs(raw: Tensor, rows: Sequence[SamplingRow]) -> dict[int, tuple[list[int], list[float]]]:
-    """row -> (ids, logprobs) of its top_logprobs most likely tokens, best first (raw logits)."""
+def _top_logprobs(
+    table: Tensor | None, slot: dict[int, int], rows: Sequence[SamplingRow]
+) -> dict[int, tuple[list[int], list[float]]]:
+    """row -> (ids, logprobs) of its top_logprobs most likely tokens, best first, from `table`
+    (the raw logits' log-softmax; row i at table row slot[i])."""
     wanted = [i for i, row in enumerate(rows) if row.params.top_logprobs]
     if not wanted:
         return {}
     k = max(rows[i].params.top_logprobs for i in wanted)
-    values, ids = torch.topk(torch.log_softmax(_rows_view(raw, wanted), dim=-1), k, dim=-1)
+    values, ids = torch.topk(_rows_view(table, [slot[i] for i in wanted]), k, dim=-1)
     values, ids = values.tolist(), ids.tolist()
     return {
         i: (ids[j][: rows[i].params.top_logprobs], values[j][: rows[i].params.top_logprobs])
