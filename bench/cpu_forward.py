@@ -12,10 +12,11 @@ bf16; `awq-int4-lmh8` also holds that lm_head as int8 (`--lm-head-int8`, as llam
 keeps it at Q8_0). Their packed-GEMM ceiling is the bf16 one of the same shapes (the dense GEMM
 the quantized layers replace) and they have no ISA peak figure.
 
-Per shape and dtype:
-- decode step at batch 1, 16 and 64 (128-token prompts, then one token per sequence per step),
-  the fast forward and (small shape) the reference, stepped in lock step so background load hits
-  both alike; prefill tokens/s of 8 x 256-token prompts in one step;
+Per shape, every kind of weights (and, small shape, the dense reference forwards) stepped in
+lock step so that background load hits all alike:
+- decode step at batch 1, 16 and 64 (128-token prompts, then one token per sequence per step);
+  prefill tokens/s of 8 x 256-token prompts in one step; the quantized kinds' speed-up over bf16
+  is of steps taken in the same rounds;
 - ceilings, each divided into the step it bounds:
   * packed GEMM: oneDNN's prepacked GEMM (the best GEMM torch has here) on the step's linear
     shapes at the step's rows; `fraction_of_packed_gemm` = that time / the whole step's time;
@@ -66,8 +67,8 @@ def _worker(shape: str, weights: str, kind: str) -> Worker:
     return worker
 
 
-def decode_steps(workers: dict[str, Worker], batch: int, steps: int) -> dict[str, float]:
-    """Median decode step seconds per forward kind, stepped in lock step."""
+def decode_steps(workers: dict, batch: int, steps: int) -> dict:
+    """Median decode step seconds per key of `workers`, every worker stepped in lock step."""
     vocab = next(iter(workers.values())).describe().vocab_size
     timed = {kind: TimedWorker(w) for kind, w in workers.items()}
     engines = {kind: engine_for(t, max_num_seqs=batch, caching=False) for kind, t in timed.items()}
@@ -87,7 +88,7 @@ def decode_steps(workers: dict[str, Worker], batch: int, steps: int) -> dict[str
     return result
 
 
-def prefill_tokens_per_s(workers: dict[str, Worker], repeats: int) -> dict[str, float]:
+def prefill_tokens_per_s(workers: dict, repeats: int) -> dict:
     vocab = next(iter(workers.values())).describe().vocab_size
     timed = {kind: TimedWorker(w) for kind, w in workers.items()}
     engines = {kind: engine_for(t, max_num_seqs=8, caching=False) for kind, t in timed.items()}
@@ -121,41 +122,56 @@ def checkpoint_bytes(worker: Worker) -> int:
     return sum(p.stat().st_size for p in worker.model_dir.glob("*.safetensors"))
 
 
-def measure(shape: str, weights: str, quick: bool, peaks: dict, bandwidth: float) -> dict:
-    """One shape with one kind of weights (a dtype or a QUANTIZED name): the figures listed in the
-    module docstring, keyed `<shape>_<weights>_*`."""
-    kinds = ("fast", "reference") if shape == "small" and weights not in QUANTIZED else ("fast",)
-    workers = {kind: _worker(shape, weights, kind) for kind in kinds}
-    fast = workers["fast"]
-    prefix, res = f"{shape}_{weights}", {}
-    shapes = step_shapes(fast)
-    resident = fast.fast_forward.resident_weight_bytes
-    res[f"{prefix}_resident_weight_bytes"] = resident
-    res[f"{prefix}_resident_over_checkpoint"] = (
-        resident / checkpoint_bytes(fast) if weights != "float32" else None
-    )
-    dtype = "float32" if weights == "float32" else "bfloat16"  # of the packed-GEMM ceiling
-    peak = None if weights in QUANTIZED else peaks["bf16" if dtype == "bfloat16" else "fp32"]
-    for batch in (1, 16, 64) if not quick else (1, 64):
-        steps = decode_steps(workers, batch, 4 if quick else 16)
-        flops = sum(2 * batch * n * k for n, k in shapes)
-        packed_s = flops / (packed_gemm_gflops(shapes, dtype, batch, repeats=2 if quick else 5) * 1e9)
-        for kind, seconds in steps.items():
-            res[f"{prefix}_decode_b{batch}_{kind}_step_ms"] = seconds * 1e3
-            res[f"{prefix}_decode_b{batch}_{kind}_tokens_per_s"] = batch / seconds
-        res[f"{prefix}_decode_b{batch}_packed_gemm_ms"] = packed_s * 1e3
-        res[f"{prefix}_decode_b{batch}_fraction_of_packed_gemm"] = packed_s / steps["fast"]
-        res[f"{prefix}_decode_b{batch}_fraction_of_isa_peak"] = (
-            flops / steps["fast"] / (peak * 1e9) if peak else None
-        )
-        if batch == 1:
-            res[f"{prefix}_decode_b1_weight_bytes_per_token"] = resident
-            res[f"{prefix}_decode_b1_fraction_of_bandwidth"] = resident / steps["fast"] / (bandwidth * 1e9)
-        if "reference" in steps:
-            res[f"{prefix}_decode_b{batch}_speedup"] = steps["reference"] / steps["fast"]
+def measure(shape: str, weights_list: list[str], quick: bool, peaks: dict, bandwidth: float) -> dict:
+    """One shape with each kind of weights (a dtype or a QUANTIZED name), all stepped in lock step
+    so that background load hits every kind alike: the figures listed in the module docstring,
+    keyed `<shape>_<weights>_*`."""
+    workers = {}
+    for weights in weights_list:
+        dense_small = shape == "small" and weights not in QUANTIZED
+        for kind in ("fast", "reference") if dense_small else ("fast",):
+            workers[(weights, kind)] = _worker(shape, weights, kind)
+    res: dict = {}
+    batches = (1, 64) if quick else (1, 16, 64)
+    steps = {batch: decode_steps(workers, batch, 4 if quick else 16) for batch in batches}
     prefill = prefill_tokens_per_s(workers, 1 if quick else 3)
-    for kind, rate in prefill.items():
-        res[f"{prefix}_prefill_8x256_{kind}_tokens_per_s"] = rate
+    for weights in weights_list:
+        fast, prefix = workers[(weights, "fast")], f"{shape}_{weights}"
+        shapes = step_shapes(fast)
+        resident = fast.fast_forward.resident_weight_bytes
+        res[f"{prefix}_resident_weight_bytes"] = resident
+        res[f"{prefix}_resident_over_checkpoint"] = (
+            resident / checkpoint_bytes(fast) if weights != "float32" else None
+        )
+        dtype = "float32" if weights == "float32" else "bfloat16"  # of the packed-GEMM ceiling
+        peak = None if weights in QUANTIZED else peaks["bf16" if dtype == "bfloat16" else "fp32"]
+        for batch in batches:
+            mine = {kind: sec for (w, kind), sec in steps[batch].items() if w == weights}
+            flops = sum(2 * batch * n * k for n, k in shapes)
+            packed_s = flops / (packed_gemm_gflops(shapes, dtype, batch, repeats=2 if quick else 5) * 1e9)
+            for kind, seconds in mine.items():
+                res[f"{prefix}_decode_b{batch}_{kind}_step_ms"] = seconds * 1e3
+                res[f"{prefix}_decode_b{batch}_{kind}_tokens_per_s"] = batch / seconds
+            res[f"{prefix}_decode_b{batch}_packed_gemm_ms"] = packed_s * 1e3
+            res[f"{prefix}_decode_b{batch}_fraction_of_packed_gemm"] = packed_s / mine["fast"]
+            res[f"{prefix}_decode_b{batch}_fraction_of_isa_peak"] = (
+                flops / mine["fast"] / (peak * 1e9) if peak else None
+            )
+            if batch == 1:
+                res[f"{prefix}_decode_b1_weight_bytes_per_token"] = resident
+                res[f"{prefix}_decode_b1_fraction_of_bandwidth"] = resident / mine["fast"] / (bandwidth * 1e9)
+            if "reference" in mine:
+                res[f"{prefix}_decode_b{batch}_speedup"] = mine["reference"] / mine["fast"]
+            if weights in QUANTIZED and ("bfloat16", "fast") in workers:  # same steps, same rounds
+                res[f"{prefix}_decode_b{batch}_speedup_over_bf16"] = (
+                    steps[batch][("bfloat16", "fast")] / mine["fast"]
+                )
+        for (w, kind), rate in prefill.items():
+            if w == weights:
+                res[f"{prefix}_prefill_8x256_{kind}_tokens_per_s"] = rate
+        if weights in QUANTIZED and ("bfloat16", "fast") in workers:
+            bf16 = workers[("bfloat16", "fast")].fast_forward.resident_weight_bytes
+            res[f"{prefix}_resident_over_bf16"] = resident / bf16
     return res
 
 
@@ -168,19 +184,8 @@ def run(quick: bool = False) -> dict:
     cases = [("small", w) for w in ("float32", "bfloat16", "awq-int4", "gptq-int8")]
     if not quick:
         cases += [("0.5b", w) for w in ("bfloat16", "float32", "awq-int4", "awq-int4-lmh8", "gptq-int8")]
-    for shape, weights in cases:
-        res.update(measure(shape, weights, quick, peaks, before))
-    for shape, weights in cases:  # what the quantized weights buy over bf16 in the same run
-        if weights not in QUANTIZED:
-            continue
-        bf16, q = f"{shape}_bfloat16", f"{shape}_{weights}"
-        resident = res[f"{q}_resident_weight_bytes"]
-        res[f"{q}_resident_over_bf16"] = resident / res[f"{bf16}_resident_weight_bytes"]
-        for batch in (1, 16, 64):
-            if f"{q}_decode_b{batch}_fast_step_ms" in res:
-                res[f"{q}_decode_b{batch}_speedup_over_bf16"] = (
-                    res[f"{bf16}_decode_b{batch}_fast_step_ms"] / res[f"{q}_decode_b{batch}_fast_step_ms"]
-                )
+    for shape in dict.fromkeys(shape for shape, _ in cases):
+        res.update(measure(shape, [w for sh, w in cases if sh == shape], quick, peaks, before))
     after = memory_read_bandwidth_gbs(res["threads"], size)
     res["read_bandwidth_gbs_before"], res["read_bandwidth_gbs_after"] = before, after
     return res
