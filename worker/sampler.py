@@ -125,6 +125,7 @@ class Sampler:
             return self._sample(logits, rows, bitmask)
         others = [i for i, row in enumerate(rows) if not row.num_candidates]
         results: list[SampledTokens | None] = [None] * len(rows)
+
         # beams are never constrained (refused at admission): every bitmask row is in `others`
         def run_others(view, subset_rows):
             return self._sample(view, subset_rows, bitmask)
