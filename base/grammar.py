@@ -23,6 +23,7 @@ from base.sampling import StructuredOutput
 from base.tokenizer import Tokenizer
 
 JSON_OPTIONS = {"whitespace_flexible": False}
+_DATA_KEYWORDS = frozenset(("enum", "const", "default", "examples"))  # values, not subschemas
 CACHE_ENTRIES = 256  # compiled grammars kept per process (LRU, keyed by the spec)
 
 
@@ -51,7 +52,9 @@ def grammar_text(spec: StructuredOutput) -> str:
             raise GrammarError(f"{field} is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"{field} must be a JSON object (a JSON Schema), got {type(schema).__name__}")
-        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(
+            json.dumps(close_objects(schema)), defaults=JSON_OPTIONS
+        )
     if spec.kind == "regex":
         return llg.LLMatcher.grammar_from_regex(spec.text)
     if spec.kind == "choice":
@@ -63,6 +66,25 @@ def grammar_text(spec: StructuredOutput) -> str:
         except (ValueError, Exception) as exc:  # noqa: BLE001 - the converter raises bare Exception
             raise GrammarError(f"{field}: {exc}") from None
     raise GrammarError(f"sampling.structured_output: unknown kind {spec.kind!r}")
+
+
+def close_objects(schema):
+    """`schema` with every object that lists `properties` but says nothing about others made
+    closed (additionalProperties: false), as OpenAI's strict mode and xgrammar's default do.
+    JSON Schema's own default allows any other key, which a weak model then fills with noise
+    until max_tokens (seen with LangChain's function_calling schemas). Every output still
+    validates against the original schema. Returns a new schema; the input is not changed."""
+    if isinstance(schema, list):
+        return [close_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA_KEYWORDS else close_objects(v)) for k, v in schema.items()}
+    if (
+        isinstance(out.get("properties"), dict)
+        and not {"additionalProperties", "patternProperties"} & out.keys()
+    ):
+        out["additionalProperties"] = False
+    return out
 
 
 class _TokenizerAdapter:

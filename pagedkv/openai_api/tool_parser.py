@@ -37,7 +37,7 @@ class HermesParser:
     def __init__(self) -> None:
         self._buf = ""
         self._in_call = False
-        self._calls = 0
+        self._lead = ""  # whitespace before the open block: content again if it is not a call
 
     def feed(self, text: str) -> list[tuple]:
         self._buf += text
@@ -54,36 +54,33 @@ class HermesParser:
                 except json.JSONDecodeError:
                     event = None
                 if event is None:
-                    events.append(("content", OPEN + body + CLOSE))
+                    events.append(("content", self._lead + OPEN + body + CLOSE))
                 else:
-                    self._calls += 1
                     events.append(event)
+                self._lead = ""
                 continue
             start = self._buf.find(OPEN)
             if start >= 0:
-                self._emit(events, self._buf[:start], final=True)
+                lead = self._buf[:start]
+                if lead.strip():
+                    events.append(("content", lead))
+                else:
+                    self._lead = lead
                 self._buf = self._buf[start + len(OPEN) :]
                 self._in_call = True
                 continue
             keep = _partial_suffix(self._buf, OPEN)
             ready = self._buf[: len(self._buf) - keep]
-            if ready.strip():
-                self._emit(events, ready, final=False)
+            if ready.strip():  # whitespace alone (between blocks) is held, dropped at the end
+                events.append(("content", ready))
                 self._buf = self._buf[len(ready) :]
             return events
 
     def finish(self) -> list[tuple]:
         """The rest: an unclosed block (max_tokens ended it) is content."""
-        rest = (OPEN if self._in_call else "") + self._buf
-        self._buf, self._in_call = "", False
-        events: list[tuple] = []
-        self._emit(events, rest, final=True)
-        return events
-
-    def _emit(self, events: list, text: str, final: bool) -> None:
-        # whitespace alone (the "\n" separating blocks) is held, and dropped at the end
-        if text.strip():
-            events.append(("content", text))
+        rest = (self._lead + OPEN if self._in_call else "") + self._buf
+        self._buf, self._in_call, self._lead = "", False, ""
+        return [("content", rest)] if rest.strip() else []
 
 
 class Llama3JsonParser:

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from base.grammar import close_objects
 from base.v1 import engine_pb2
 from pagedkv.openai_api.errors import bad_request
 
@@ -109,7 +110,7 @@ def _call_schema(tools: list[Tool], fmt: str) -> dict:
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.name}, key: t.parameters},
+            "properties": {"name": {"const": t.name}, key: close_objects(t.parameters)},
             "required": ["name", key],
             "additionalProperties": False,
         }
