@@ -32,6 +32,7 @@ SUITES = [
     "prefix_cache",
     "preemption",
     "beam_search",
+    "structured",
 ]
 RESULTS = Path(__file__).parent / "results"
 

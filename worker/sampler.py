@@ -143,7 +143,9 @@ class Sampler:
         logits = shape_logits(raw, rows, self._eos)
         if bitmask is not None:
             constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
-            logits = apply_bitmask(logits, raw, constrained, bitmask)
+            shaped = [rows[i].params.shapes_logits for i in constrained]
+            keep_raw = any(row.params.logprobs or row.params.top_logprobs for row in rows)
+            logits = apply_bitmask(logits, raw, constrained, bitmask, shaped, keep_raw)
         uniforms = sample_uniforms(rows, self._generator)
         owners = [i for i, row in enumerate(rows) for _ in range(row.num_samples)]
         tokens = torch.empty(len(owners), dtype=torch.int64, device=logits.device)
