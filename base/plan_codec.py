@@ -30,6 +30,7 @@ from base.plan import (
     StepResult,
     WorkerInfo,
 )
+from base.sampling import StructuredOutput
 from base.v1 import engine_pb2 as epb
 from base.v1 import worker_pb2 as pb
 
@@ -55,7 +56,34 @@ def encode_sampling(s: SamplingParams) -> epb.SamplingParams:
         m.top_logprobs = s.top_logprobs
         if s.prompt_logprobs is not None:
             m.prompt_logprobs = s.prompt_logprobs
+    if s.structured is not None:
+        encode_structured(s.structured, m.structured_output)
     return m
+
+
+# -- structured outputs ----------------------------------------------------------------------
+def encode_structured(spec: StructuredOutput, m: epb.StructuredOutput) -> None:
+    if spec.kind == "json_object":
+        m.json_object = True
+    elif spec.kind == "choice":
+        m.choice.values.extend(spec.choices)
+    else:
+        setattr(m, spec.kind, spec.text)
+
+
+def decode_structured(m: epb.SamplingParams) -> StructuredOutput | None:
+    """None when unset (or json_object false). Shape checks: StructuredOutput.validate."""
+    if not m.HasField("structured_output"):
+        return None
+    so = m.structured_output
+    kind = so.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not so.json_object):
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(so.choice.values))
+    return StructuredOutput(kind, getattr(so, kind))
 
 
 def decode_sampling(m: epb.SamplingParams) -> SamplingParams:
@@ -78,6 +106,7 @@ def decode_sampling(m: epb.SamplingParams) -> SamplingParams:
         allowed_token_ids=tuple(m.allowed_token_ids),
         top_logprobs=m.top_logprobs,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        structured=decode_structured(m),
     )
 
 

@@ -26,6 +26,43 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's documented limit is of this order)
 MAX_ALLOWED_TOKEN_IDS = 4096
 LOGIT_BIAS_RANGE = 100.0  # OpenAI: biases in [-100, 100]
+MAX_STRUCTURED_CHARS = 1 << 20  # a schema / regex / grammar text (1 MiB; a choice list in all)
+MAX_CHOICES = 1024
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+"""What a structured output constrains to (base/grammar.py turns each into an llguidance grammar)."""
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, enforced token by token by the worker's grammar
+    matcher (worker/grammar_matchers.py). `text` is the JSON schema (json_schema), the regex,
+    or the grammar (GBNF or Lark); `choices` the allowed outputs (choice); json_object needs
+    neither. Hashable: it keys the compiled-grammar caches on both planes."""
+
+    kind: str
+    text: str = ""
+    choices: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """The request field an error names (the gRPC spelling)."""
+        return f"sampling.structured_output.{self.kind}"
+
+    def validate(self) -> None:
+        """Sizes and shape only; whether the engine accepts it is compiled and checked by the
+        control plane (control_plane/grammar_check.py) before the request is admitted."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"sampling.structured_output: unknown kind {self.kind!r}")
+        size = len(self.text) + sum(len(c) for c in self.choices)
+        if size > MAX_STRUCTURED_CHARS:
+            raise ValueError(f"{self.describe()} is {size} characters; at most {MAX_STRUCTURED_CHARS}")
+        if self.kind == "choice":
+            if not self.choices or len(self.choices) > MAX_CHOICES:
+                raise ValueError(f"{self.describe()} needs 1 to {MAX_CHOICES} strings")
+            if any(not c for c in self.choices):
+                raise ValueError(f"{self.describe()}: the choices must be non-empty strings")
+        elif self.kind in ("json_schema", "regex", "grammar") and not self.text:
+            raise ValueError(f"{self.describe()} is empty")
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,6 +91,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()  # empty = every token
     top_logprobs: int = 0  # alternatives per generated token, 0..20 (needs logprobs)
     prompt_logprobs: int | None = None  # None = off; k >= 0: each prompt token's logprob + top k
+    structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, ...)
 
     def for_worker(self) -> SamplingParams:
         """What travels in a plan: what the sampler reads. Stop conditions stay on the control
@@ -76,6 +114,7 @@ class SamplingParams:
             allowed_token_ids=self.allowed_token_ids,
             top_logprobs=self.top_logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            structured=self.structured,
         )
 
     @property
@@ -110,6 +149,20 @@ class SamplingParams:
             raise ValueError(f"seed must fit in uint64, got {self.seed}")
         self._validate_shaping(vocab_size)
         self._validate_logprobs()
+        if self.structured is not None:
+            self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        self.structured.validate()
+        if self.is_beam_search:
+            raise ValueError(
+                "structured outputs cannot be combined with beam search: each beam would need its "
+                "own grammar state forked with the beam (not built); sample or decode greedily instead"
+            )
+        if self.ignore_eos:
+            raise ValueError(
+                "structured outputs end with EOS once the grammar is complete; ignore_eos cannot be set"
+            )
 
     def _validate_shaping(self, vocab_size: int | None) -> None:
         if not (0.0 < self.repetition_penalty < float("inf")):

@@ -33,6 +33,7 @@ SUITES = [
     "preemption",
     "beam_search",
     "sampling",
+    "structured",
 ]
 RESULTS = Path(__file__).parent / "results"
 

@@ -71,6 +71,8 @@ GOALS = (
          "decode step at batch 64 returning top-20 logprobs of every token / without (CPU)"),
     Goal("sampling", "prompt_logprobs_1k_prefill_ratio", "<=", 1.2,
          "prefill of a 1024-token prompt with prompt_logprobs=5 / without (CPU)"),
+    Goal("structured", "b64_schema_step_ratio", "<=", 1.10,
+         "decode step, batch 64, a 20-property JSON schema on every sequence / plain (152k vocab, CPU)"),
 )  # fmt: skip
 
 

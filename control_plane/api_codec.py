@@ -8,7 +8,7 @@ model (vocabulary, max length, pool size) is checked by the scheduler at admissi
 from __future__ import annotations
 
 from base.plan import KVLayout, SamplingParams, WorkerInfo
-from base.plan_codec import encode_facts
+from base.plan_codec import decode_structured, encode_facts
 from base.sampling import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS
 from base.v1 import engine_pb2 as pb
 from control_plane import limits
@@ -54,6 +54,7 @@ def decode_sampling(m: pb.SamplingParams) -> SamplingParams:
         allowed_token_ids=tuple(m.allowed_token_ids),
         top_logprobs=m.top_logprobs,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        structured=decode_structured(m),
     )
 
 

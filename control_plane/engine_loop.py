@@ -53,6 +53,7 @@ from control_plane.errors import (
     RequestNotFoundError,
     WorkerUnavailableError,
 )
+from control_plane.grammar_check import GrammarCheck
 from control_plane.request import FinishReason, RequestOutput
 from control_plane.request_stream import RequestStream, TokenTimings
 from control_plane.scheduler import Scheduler
@@ -99,6 +100,9 @@ class EngineOptions:
     # Plans sent ahead of the result awaited: 1 = the strict loop, >= 2 = overlap scheduling
     # (plan step k+1 while step k runs); see the module docstring.
     plans_in_flight: int = 2
+    # Structured outputs: a schema / regex / grammar that does not compile within this many
+    # seconds is refused (control_plane/grammar_check.py).
+    grammar_compile_timeout_s: float = 10.0
 
 
 class _StepFailed(Exception):
@@ -122,6 +126,7 @@ class AsyncEngine(EngineRequests):
         self.scheduler: Scheduler | None = None
         self.info: WorkerInfo | None = None
         self.tokenizer: Tokenizer | None = None
+        self.grammar_check: GrammarCheck | None = None
         self.available = False
         self._listeners: list[Callable[[bool], None]] = []
         self._connected = False  # a worker answered Describe + Reset and no step failed since
@@ -253,6 +258,9 @@ class AsyncEngine(EngineRequests):
                 self._fail_all(WorkerUnavailableError("the worker restarted with a different model or pool"))
             self.scheduler = Scheduler(replace(self.config), info)
             self.tokenizer = make_tokenizer(info.tokenizer_kind, info.tokenizer_json, info.vocab_size)
+            self.grammar_check = GrammarCheck(
+                self.tokenizer, info.vocab_size, info.eos_token_ids, self.options.grammar_compile_timeout_s
+            )
         self.info = info
         self._connected = True
         self._set_available(True)

@@ -65,6 +65,9 @@ class EngineRequests:
             self._require_available()  # the worker may have gone while we tokenized
         if sampling.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a server-side tokenizer; use stop_token_ids")
+        if sampling.structured is not None:  # compiled off the loop, before any block exists
+            await self.grammar_check.check(sampling.structured)
+            self._require_available()
         request_id = request_id or uuid.uuid4().hex
         req = self.scheduler.add_request(request_id, prompt_token_ids, sampling, priority, cache_salt)
         stream = RequestStream(

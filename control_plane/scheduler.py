@@ -371,7 +371,7 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
                     fan_out,
                     candidates,
                     req.num_prompt_tokens,
-                    seq.token_ids[:start] if req.sampling.has_penalties else [],
+                    seq.token_ids[:start] if _needs_history(req.sampling) else [],
                     _next_prompt_token(seq, start + len(tokens)),
                 )
             )
@@ -435,3 +435,9 @@ def _next_prompt_token(seq: Sequence, end: int) -> int | None:
     if seq.request.sampling.prompt_logprobs is None or end >= seq.num_prompt_tokens:
         return None
     return seq.token_ids[end]
+
+
+def _needs_history(sampling) -> bool:
+    """Penalties count the tokens before start_pos; a constrained sequence replays the generated
+    ones among them into a fresh grammar matcher (a resumed sequence's prefix-cache hits)."""
+    return sampling.has_penalties or sampling.structured is not None

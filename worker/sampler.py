@@ -31,10 +31,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from base.plan import SamplingParams
+from worker.grammar_mask import apply_bitmask
 from worker.logits_shaping import shape_logits
 from worker.token_counts import TokenCounts
 
@@ -65,6 +67,7 @@ class SamplingRow:
     num_candidates: int = 0  # beam search: the top this many of the log-softmax instead
     counts: TokenCounts | None = None  # penalized rows: the sequence's token counts
     num_generated: int = 0  # tokens generated before this one (min_tokens)
+    grammar: object | None = None  # structured outputs: the sequence's matcher (its mask row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +109,12 @@ class Sampler:
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
         self._eos = eos_token_ids  # min_tokens bans them too
 
-    def sample(self, logits: Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
-        """logits: [len(rows), vocab], on any device. Returns one entry per row."""
+    def sample(
+        self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: np.ndarray | None = None
+    ) -> list[SampledTokens]:
+        """logits: [len(rows), vocab], on any device. Returns one entry per row. `bitmask`:
+        the packed allowed-token masks of the rows with a grammar, in row order
+        (worker/grammar_mask.py); those rows sample only allowed tokens."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"got {logits.shape[0]} logit rows for {len(rows)} sampling rows")
         if not rows:
@@ -115,18 +122,30 @@ class Sampler:
         logits = logits.float()
         beams = [i for i, row in enumerate(rows) if row.num_candidates]
         if not beams:
-            return self._sample(logits, rows)
+            return self._sample(logits, rows, bitmask)
         others = [i for i, row in enumerate(rows) if not row.num_candidates]
         results: list[SampledTokens | None] = [None] * len(rows)
-        for subset, run in ((beams, top_candidates), (others, self._sample)):
+
+        # beams are never constrained (refused at admission): every bitmask row is in `others`
+        def run_others(view, subset_rows):
+            return self._sample(view, subset_rows, bitmask)
+
+        for subset, run in ((beams, top_candidates), (others, run_others)):
             if subset:
                 got = run(_rows_view(logits, subset), [rows[i] for i in subset])
                 for i, item in zip(subset, got, strict=True):
                     results[i] = item
         return results
 
-    def _sample(self, raw: Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
+    def _sample(
+        self, raw: Tensor, rows: Sequence[SamplingRow], bitmask: np.ndarray | None = None
+    ) -> list[SampledTokens]:
         logits = shape_logits(raw, rows, self._eos)
+        if bitmask is not None:
+            constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+            shaped = [rows[i].params.shapes_logits for i in constrained]
+            keep_raw = any(row.params.logprobs or row.params.top_logprobs for row in rows)
+            logits = apply_bitmask(logits, raw, constrained, bitmask, shaped, keep_raw)
         uniforms = sample_uniforms(rows, self._generator)
         owners = [i for i, row in enumerate(rows) for _ in range(row.num_samples)]
         tokens = torch.empty(len(owners), dtype=torch.int64, device=logits.device)

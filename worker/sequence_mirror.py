@@ -32,6 +32,11 @@ class SequenceMirror:
     last_sample: int | None = None
     prompt_len: int = 0  # positions below hold prompt tokens (NewSequence.prompt_len)
     counts: TokenCounts | None = None  # penalized sampling: the tokens computed so far
+    # Structured outputs (worker/grammar_matchers.py): the sequence's llguidance matcher, the
+    # position of the next token it expects, and whether it ever refused one (logged once).
+    grammar: object | None = None
+    grammar_pos: int = 0
+    grammar_failed: bool = False
 
 
 class SequenceMirrors:

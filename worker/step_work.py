@@ -26,9 +26,10 @@ class StepWork:
     prompt: list[PromptRows]  # flat rows are indices into the step's concatenated tokens
 
 
-def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache) -> StepWork:
+def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache, grammars=None) -> StepWork:
     """Mutate the mirrors as the (validated) plan says (finished dropped, new registered,
-    deltas applied) and describe the step."""
+    deltas applied) and describe the step. `grammars` (worker.grammar_matchers.GrammarMatchers,
+    its `prepare(plan)` already run) starts and advances constrained sequences' matchers."""
     for seq_id in plan.finished:
         mirrors.drop(seq_id)
         kv_cache.release(seq_id)
@@ -36,14 +37,16 @@ def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache) -> StepWork:
     for seq in plan.new:
         mirror = mirrors.register(seq)
         kv_cache.register(seq.seq_id)
-        steps.append(_entry(kv_cache, mirror, seq, seq.token_ids))
+        if seq.sampling.structured is not None:
+            grammars.start(mirror, seq.history)
+        steps.append(_entry(kv_cache, mirror, seq, seq.token_ids, grammars))
     for seq in plan.continuing:
         mirror = mirrors.apply_delta(seq)
         # Overlap scheduling: the token sampled last step, which the control plane has not
         # seen yet. Any step consumes the previous sample (fed or superseded).
         token_ids = [mirror.last_sample] if seq.feed_last_sample else seq.token_ids
         mirror.last_sample = None
-        steps.append(_entry(kv_cache, mirror, seq, token_ids))
+        steps.append(_entry(kv_cache, mirror, seq, token_ids, grammars))
     steps.sort(key=lambda step: len(step[0].token_ids) != 1)  # stable: decodes first
     work = StepWork([s[0] for s in steps], [s[1] for s in steps if s[1]], [s[2] for s in steps if s[1]], [])
     first_row = 0
@@ -60,15 +63,17 @@ def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache) -> StepWork:
     return work
 
 
-def _entry(kv_cache, mirror: SequenceMirror, seq, token_ids: list[int]):
+def _entry(kv_cache, mirror: SequenceMirror, seq, token_ids: list[int], grammars):
     if mirror.counts is not None:
         mirror.counts.add(token_ids, seq.start_pos)
+    if mirror.grammar is not None:
+        grammars.advance(mirror, token_ids, seq.start_pos)
     row = None
     if seq.sample:
         position = seq.start_pos + len(token_ids)
         # A chunked prompt's last chunk carries the n > 1 fan-out on its continuing entry.
         row = SamplingRow(mirror.sampling, mirror.sample_index, position, seq.num_samples, seq.num_candidates,
-                          mirror.counts, max(0, position - mirror.prompt_len))  # fmt: skip
+                          mirror.counts, max(0, position - mirror.prompt_len), mirror.grammar)  # fmt: skip
     table = kv_cache.physical_table(seq.seq_id, mirror.block_ids)
     scheduled = ScheduledSequence(
         table=table, token_ids=token_ids, start_pos=seq.start_pos, sample=seq.sample

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from base.logs import get_logger
 from base.plan import KVLayout, Plan, SeqOutput, StepResult, WorkerInfo
+from base.tokenizer import make_tokenizer
 from kernels.driver import KernelLoadError
 from kernels.nvrtc import KernelCompileError
 from kernels.specs import AttentionGeometry
@@ -32,6 +33,7 @@ from worker.cpu_forward import FastCpuForward, fast_forward_unavailable
 from worker.cuda_graph import DecodeGraphRunner
 from worker.cuda_quant import replace_quantized_linears
 from worker.errors import WorkerConfigError
+from worker.grammar_matchers import GrammarMatchers
 from worker.kv_cache import KVCacheSpec, create_kv_cache
 from worker.model import CausalLM
 from worker.model_config import load_model_config
@@ -99,6 +101,14 @@ class Worker:
         self.sampler = Sampler(config.seed, self.model_config.eos_token_ids)
         self.instance_id = uuid.uuid4().hex
         self._info = self._describe()
+        self.grammars = GrammarMatchers(
+            make_tokenizer(
+                self._info.tokenizer_kind, self._info.tokenizer_json, self.model_config.vocab_size
+            ),
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+            parallel=self.device.type == "cuda",
+        )
 
     def describe(self) -> WorkerInfo:
         return self._info
@@ -111,7 +121,8 @@ class Worker:
         """`execute`, also returning the fp32 logits [outputs, vocab] the tokens were sampled
         from (row i belongs to result.outputs[i]); for tests and backend comparisons."""
         validate_plan(plan, self.mirrors, self.limits, self.kv_cache.num_free_rows)
-        work = apply_plan(plan, self.mirrors, self.kv_cache)
+        self.grammars.prepare(plan)
+        work = apply_plan(plan, self.mirrors, self.kv_cache, self.grammars)
         self.kv_cache.copy_blocks(plan.copies)
         if not work.scheduled:
             return StepResult(step_id=plan.step_id), torch.empty(0, self.model_config.vocab_size)
@@ -122,11 +133,16 @@ class Worker:
                 logits = self.model.compute_logits(self.decode_graphs.forward(work.scheduled))
             else:
                 logits, prompt_out = self._forward(work)
-            samples = self.sampler.sample(logits, work.rows)
+            grammars = [row.grammar for row in work.rows if row.grammar is not None]
+            bitmask = self.grammars.fill(grammars) if grammars else None
+            samples = self.sampler.sample(logits, work.rows, bitmask)
         mirrors = self.mirrors
         outputs = []
-        for seq_id, sample in zip(work.sampled_ids, samples, strict=True):
-            mirrors[seq_id].last_sample = sample.token_ids[0]  # what a feed_last_sample reads
+        for seq_id, sample, row in zip(work.sampled_ids, samples, work.rows, strict=True):
+            mirror = mirrors[seq_id]
+            mirror.last_sample = sample.token_ids[0]  # what a feed_last_sample reads
+            if row.grammar is not None:  # advanced now, so the next plan's mask never waits
+                self.grammars.accept(mirror, sample.token_ids[0], row.position)
             outputs.append(
                 SeqOutput(seq_id, sample.token_ids, sample.logprobs, sample.top_ids, sample.top_logprobs)
             )

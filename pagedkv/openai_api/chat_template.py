@@ -38,8 +38,32 @@ from pagedkv.openai_api.errors import ApiError, bad_request
 # are ordinary UTF-8 bytes and no BOS is inserted. The model's weights are random: this only
 # gives chat clients a well-defined prompt to exercise the whole path.
 DEFAULT_TEMPLATE = (
+    # With tools: a system turn listing them and the call format (Hermes/Qwen's), assistant
+    # calls as <tool_call> blocks, tool results as <tool_response> in a user turn. Without
+    # tools and tool turns the rendering is the plain one (the same as before tools existed).
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions. Their signatures:\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '</tools>\n\nFor each call, return a JSON object with the function name and arguments within "
+    '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + (message['content'] or '') }}"
+    "{{ '\n</tool_response><|im_end|>\n' }}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>\n' }}{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']}"
+    " | tojson }}{{ '\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -107,7 +131,11 @@ class ChatTemplate:
             raise ValueError(f"chat template from {self.source} does not compile: {e}") from None
 
     def render(
-        self, messages: list[dict], add_generation_prompt: bool = True, extra: dict | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        extra: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """The prompt text; a template's raise_exception (e.g. roles out of order) is a 400."""
         variables = {**self.special_tokens, **(extra or {})}  # as transformers: kwargs win
@@ -115,7 +143,7 @@ class ChatTemplate:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **variables,
             )

@@ -13,6 +13,7 @@ INVALID_ARGUMENT message, which names the field, becomes the 400's message.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -20,22 +21,21 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from base.v1 import engine_pb2
 from pagedkv.openai_api.errors import bad_request, unsupported
+from pagedkv.openai_api.structured import structured_output
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the gRPC API's default is greedy)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs` (and the Engine's)
 _UINT32 = 2**32
-_IGNORED_KNOWN = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+_IGNORED_KNOWN = ("user", "metadata", "store", "service_tier")
 
 # field -> (the value that means "off", why a different value is refused)
 _REFUSED: dict[str, tuple[Any, str]] = {
     "include_stop_str_in_output": (False, "the engine's text always stops before a stop string"),
     "suffix": (None, "no fill-in-the-middle"),
-    "tools": (None, "no tool calling (the output is not parsed for calls)"),
-    "functions": (None, "no tool calling (the output is not parsed for calls)"),
-    "tool_choice": ("none", "no tool calling (the output is not parsed for calls)"),
-    "function_call": ("none", "no tool calling (the output is not parsed for calls)"),
+    "functions": (None, "the legacy functions API; use tools"),
+    "function_call": (None, "the legacy functions API; use tools and tool_choice"),
     "continue_final_message": (False, "only a new assistant turn can be generated"),
 }
 
@@ -82,7 +82,13 @@ class _GenerationRequest(BaseModel):
     use_beam_search: bool = False
     length_penalty: float | None = None
     include_stop_str_in_output: Any = None
+    # structured outputs (pagedkv/openai_api/structured.py)
     response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def ignored_fields(self) -> list[str]:
         """Fields of the body that nothing reads: unknown ones, and the known no-ops that were set."""
@@ -94,9 +100,6 @@ class _GenerationRequest(BaseModel):
             value = getattr(self, name, None)
             if value is not None and value != off:
                 raise unsupported(name, why)
-        fmt = self.response_format
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise unsupported("response_format", "no structured output; only {'type': 'text'}")
         if self.n < 1:
             raise bad_request(f"n must be >= 1, got {self.n}", "n")
         if self.use_beam_search:
@@ -167,9 +170,18 @@ class _GenerationRequest(BaseModel):
             out[token] = bias
         return out
 
-    def sampling(self, max_tokens: int, top_logprobs: int | None) -> engine_pb2.SamplingParams:
+    def sampling(
+        self,
+        max_tokens: int,
+        top_logprobs: int | None,
+        constraint: engine_pb2.StructuredOutput | None = None,
+    ) -> engine_pb2.SamplingParams:
         """The Engine's SamplingParams (call `check_refused` first). `top_logprobs` None: no
-        logprobs; k >= 0: each token's logprob and its k most likely alternatives."""
+        logprobs; k >= 0: each token's logprob and its k most likely alternatives.
+        `constraint`: a tool choice's grammar; else the request's own structured output."""
+        if constraint is None:
+            found = structured_output(self)
+            constraint = found[1] if found else None
         top_k = self.top_k or 0
         if top_k == -1:  # vLLM's "disabled"
             top_k = 0
@@ -200,6 +212,7 @@ class _GenerationRequest(BaseModel):
             min_tokens=min(self.min_tokens, _UINT32 - 1),
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids or [],
+            structured_output=constraint,
         )
 
 
@@ -275,7 +288,21 @@ class ChatMessage(BaseModel):
         out = self.model_dump(exclude_unset=True)
         if isinstance(self.content, list):
             out["content"] = _text_of_parts(self.content)
+        calls = out.get("tool_calls")
+        if isinstance(calls, list):  # templates render arguments as objects (as vLLM passes them)
+            out["tool_calls"] = [_arguments_as_object(c) for c in calls]
         return out
+
+
+def _arguments_as_object(call):
+    fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            raise bad_request("tool_calls arguments must be JSON text", "messages.tool_calls") from None
+        return {**call, "function": {**fn, "arguments": args}}
+    return call
 
 
 def _text_of_parts(parts: list[dict]) -> str:
@@ -298,7 +325,7 @@ class ChatCompletionRequest(_GenerationRequest):
     functions: Any = None
     tool_choice: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None  # ignored: there are no tool calls
+    parallel_tool_calls: bool | None = None  # tool_choice required: up to 4 calls unless false
     add_generation_prompt: bool = True
     continue_final_message: Any = None
     echo: bool | None = None

@@ -9,6 +9,7 @@ passes "abort" rather than disguised as one of OpenAI's.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 
 from base.v1 import engine_pb2
@@ -21,6 +22,7 @@ from pagedkv.openai_api.logprobs import (
     completion_logprobs,
     prompt_logprobs,
 )
+from pagedkv.openai_api.tool_parser import make_parser, parse_whole
 
 _FINISH = {
     engine_pb2.FINISH_REASON_STOP: "stop",
@@ -56,6 +58,7 @@ class View:
     echo_texts: list[str] | None = None  # completions with echo
     prompt_only: bool = False  # echo with max_tokens 0: nothing generated is shown
     prompt_k: int | None = None  # vLLM's prompt_logprobs extra
+    tool_format: str | None = None  # chat with tools: the call format parsed (tool_parser.py)
 
     def token_ids(self, choices: list[ChoiceOutput]) -> set[int]:
         """Every id whose text a response shows (to fetch them all at once)."""
@@ -96,12 +99,15 @@ class View:
 
     def chat_choice(self, c: ChoiceOutput) -> dict:
         lp = chat_logprobs(self.texts, c.generated, self.top) if self.top is not None else None
-        return {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": lp,
-            "finish_reason": self.finish(c),
-        }
+        message = {"role": "assistant", "content": c.text}
+        finish = self.finish(c)
+        if self.tool_format is not None:
+            content, calls = parse_whole(self.tool_format, c.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [_tool_call(name, args) for name, args in calls]
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish}
 
     def finish(self, c: ChoiceOutput) -> str | None:
         if self.prompt_only and c.finish_reason:
@@ -126,6 +132,8 @@ class ChunkMaker:
     def __init__(self, view: View) -> None:
         self.view = view
         self._offsets: dict[int, TextOffsets] = {}
+        self._parsers: dict = {}  # chat with tools: per choice, its streaming tool-call parser
+        self._num_calls: dict[int, int] = {}
 
     def role_chunk(self, index: int) -> dict:
         return {
@@ -153,7 +161,43 @@ class ChunkMaker:
             return view.completion_choice(part, offsets, first)
         lp = chat_logprobs(view.texts, part.generated, view.top) if view.top is not None else None
         delta = {"content": part.text} if part.text else {}
-        out = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": view.finish(part)}
+        finish = view.finish(part)
+        if view.tool_format is not None:
+            delta, finish = self._tool_delta(index, part.text, finish)
+            if not delta and finish is None and lp is None and not first:
+                return None
+        out = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         if view.prompt_k is not None and first and part.prompt is not None:
             out["prompt_logprobs"] = prompt_logprobs(view.texts, part.prompt, view.prompt_k)
         return out
+
+    def _tool_delta(self, index: int, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """The chunk's delta with tool calls parsed out: content the parser released, and the
+        calls completed by this text (each whole, with its own index, as one delta)."""
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = make_parser(self.view.tool_format)
+        events = parser.feed(text) if text else []
+        if finish is not None:
+            events += parser.finish()
+        content = "".join(e[1] for e in events if e[0] == "content")
+        delta: dict = {"content": content} if content else {}
+        calls = []
+        for event in events:
+            if event[0] == "call":
+                k = self._num_calls.get(index, 0)
+                self._num_calls[index] = k + 1
+                calls.append({"index": k, **_tool_call(event[1], event[2])})
+        if calls:
+            delta["tool_calls"] = calls
+        if finish == "stop" and self._num_calls.get(index):
+            finish = "tool_calls"
+        return delta, finish
+
+
+def _tool_call(name: str, arguments: str) -> dict:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }

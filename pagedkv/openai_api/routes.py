@@ -34,6 +34,7 @@ from pagedkv.openai_api.streaming import (
     sse_event,
     until_disconnect,
 )
+from pagedkv.openai_api.tools import ToolCalling
 
 router = APIRouter()
 health_router = APIRouter()
@@ -125,7 +126,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     front = _front(request)
     info, model = await front.resolve_model(body.model)
     template = template_for(front.chat_template, info.facts.tokenizer_kind)
-    prompt = template.render(body.template_messages(), body.add_generation_prompt, body.chat_template_kwargs)
+    calls = ToolCalling.of(body, template.text)
+    prompt = template.render(
+        body.template_messages(), body.add_generation_prompt, body.chat_template_kwargs, calls.definitions
+    )
     top = body.top_logprobs_count()
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:
@@ -136,10 +140,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         texts=texts.with_ids() if body.return_tokens_as_token_ids else texts,
         top=top,
         prompt_k=body.prompt_logprobs,
+        tool_format=calls.parse_format,
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     job = Job(
-        build_requests(rid, [prompt], body.sampling(max_tokens, top), body.priority, body.cache_salt or ""),
+        build_requests(
+            rid,
+            [prompt],
+            body.sampling(max_tokens, top, calls.constraint),
+            body.priority,
+            body.cache_salt or "",
+        ),
         Envelope(rid, "chat.completion", model),
         body.n,
         view,

@@ -11,6 +11,7 @@ import pytest
 
 from base.logs import _escape_control_characters
 from base.plan import SamplingParams
+from base.v1 import engine_pb2
 from control_plane.engine_loop import AsyncEngine, EngineOptions
 from control_plane.limits import MAX_STOP_TOKEN_IDS
 from control_plane.service import create_server
@@ -183,3 +184,29 @@ def test_a_step_past_the_liveness_bound_turns_health_not_serving(make_stack):
 def test_console_logs_escape_control_characters():
     event = _escape_control_characters(None, "info", {"request_id": "a\x00b\x1b[31m", "n": 3, "ok": "plain"})
     assert event == {"request_id": "a\\x00b\\x1b[31m", "n": 3, "ok": "plain"}
+
+
+@pytest.mark.parametrize(
+    "constraint, field",
+    [
+        (
+            engine_pb2.StructuredOutput(json_schema='{"type": "no-such-type"}'),
+            "structured_output.json_schema",
+        ),
+        (engine_pb2.StructuredOutput(json_schema="[1, 2"), "structured_output.json_schema"),
+        (engine_pb2.StructuredOutput(regex="a(b"), "structured_output.regex"),
+        (engine_pb2.StructuredOutput(grammar="root ::= missing"), "structured_output.grammar"),
+        (engine_pb2.StructuredOutput(choice=engine_pb2.Choices(values=[])), "structured_output.choice"),
+    ],
+)
+def test_bad_structured_outputs_are_invalid_argument_before_any_block(make_stack, constraint, field):
+    """Issue 29: a constraint the engine rejects is refused at admission, naming the field."""
+    stack = make_stack(worker={"tokenizer": "byte", "eos_token_ids": (VOCAB - 1,)})
+    before = stack.client.stats().blocks_allocated_total
+    with pytest.raises(ClientError) as e:
+        stack.client.complete("hello", max_tokens=4, structured_output=constraint)
+    assert e.value.code.name == "INVALID_ARGUMENT" and field in e.value.details, e.value.details
+    with pytest.raises(ClientError, match="beam search"):
+        good = engine_pb2.StructuredOutput(regex="[ab]+")
+        stack.client.complete("hello", max_tokens=4, beam_width=2, structured_output=good)
+    assert stack.client.stats().blocks_allocated_total == before

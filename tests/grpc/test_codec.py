@@ -27,6 +27,7 @@ from base.plan_codec import (
     encode_result,
     encode_worker_info,
 )
+from base.sampling import StructuredOutput
 from base.v1 import engine_pb2, worker_pb2
 from control_plane import api_codec
 from control_plane.errors import InvalidRequestError
@@ -58,6 +59,12 @@ sampling = st.builds(
     allowed_token_ids=st.lists(u32, max_size=3).map(tuple),
     top_logprobs=u32,
     prompt_logprobs=st.none() | u32,
+    structured=st.none()
+    | st.builds(StructuredOutput, st.sampled_from(["json_schema", "regex", "grammar"]), st.text(min_size=1))
+    | st.builds(
+        StructuredOutput, st.just("choice"), choices=st.lists(st.text(min_size=1), min_size=1).map(tuple)
+    )
+    | st.just(StructuredOutput("json_object")),
 )
 new_seq = st.builds(
     NewSequence,

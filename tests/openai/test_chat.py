@@ -108,12 +108,12 @@ def test_template_errors_and_unsupported_parts_are_400(sim):
         client.chat.completions.create(
             model=sim.model, messages=[{"role": "user", "content": image}], max_tokens=2
         )
-    with pytest.raises(openai.BadRequestError, match="tool calling"):
+    with pytest.raises(openai.BadRequestError, match="function.name"):
         client.chat.completions.create(
             model=sim.model,
             messages=[{"role": "user", "content": "x"}],
             max_tokens=2,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tools=[{"type": "function", "function": {"parameters": {}}}],
         )
     with pytest.raises(openai.BadRequestError, match="messages is empty"):
         client.chat.completions.create(model=sim.model, messages=[], max_tokens=2)

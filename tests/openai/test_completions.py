@@ -242,12 +242,12 @@ def test_models_lists_the_served_model(sim):
 
 def test_unknown_and_ignored_fields_are_named_not_silently_dropped(sim, caplog):
     with sim.http() as http:
-        body = {"prompt": "x", "max_tokens": 2, "user": "u", "frobnicate": 3, "guided_json": {}}
+        body = {"prompt": "x", "max_tokens": 2, "user": "u", "frobnicate": 3, "guided_decoding_backend": "x"}
         resp = http.post("/v1/completions", json=body)
         clean = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         streamed = http.post("/v1/completions", json={**body, "stream": True})
     sim.stack.wait_idle()
     assert resp.status_code == 200, resp.text
-    assert resp.headers["x-pagedkv-ignored-fields"] == "frobnicate,guided_json,user"
-    assert streamed.headers["x-pagedkv-ignored-fields"] == "frobnicate,guided_json,user"
+    assert resp.headers["x-pagedkv-ignored-fields"] == "frobnicate,guided_decoding_backend,user"
+    assert streamed.headers["x-pagedkv-ignored-fields"] == "frobnicate,guided_decoding_backend,user"
     assert "x-pagedkv-ignored-fields" not in clean.headers

@@ -81,17 +81,30 @@ BAD_CHAT = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20]"),
     ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
     ({"echo": True}, "echo", "do not echo"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
-]
+    # tools (issue 29): each refused before any block, the param naming the field
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]},
+     "tools[0].function.name", "name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+      "properties": {"a": {"type": "nonsense"}}}}}]}, "tools[0].function.parameters", "engine accepts"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+     "tools[0].function.parameters", "JSON Schema object"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("fields,param,text", BAD_CHAT, ids=lambda v: str(v)[:40])
 def test_bad_chat_requests_are_400(sim, fields, param, text):
+    before = sim.stack.client.stats().blocks_allocated_total
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
     with sim.http() as http:
         resp = http.post("/v1/chat/completions", json=body)
     error = assert_error(resp, 400, param)
     assert text in error["message"]
+    assert sim.stack.client.stats().blocks_allocated_total == before  # refused before any block
 
 
 def test_a_refused_streaming_request_gets_its_status_not_a_stream(sim):
