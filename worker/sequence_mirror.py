@@ -32,6 +32,9 @@ class SequenceMirror:
     last_sample: int | None = None
     prompt_len: int = 0  # positions below hold prompt tokens (NewSequence.prompt_len)
     counts: TokenCounts | None = None  # penalized sampling: the tokens computed so far
+    # Vision-language models: the prompt's images, their rotary shift and encoder outputs
+    # not yet consumed (worker.vision.images.SequenceImages); None for a text-only prompt.
+    images: object | None = None
 
 
 class SequenceMirrors:

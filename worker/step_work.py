@@ -24,6 +24,7 @@ class StepWork:
     rows: list[SamplingRow]  # one per sampling sequence, in scheduled order
     sampled_ids: list[int]  # their seq ids
     prompt: list[PromptRows]  # flat rows are indices into the step's concatenated tokens
+    mirrors: list[SequenceMirror]  # aligned with `scheduled` (vision models read their images)
 
 
 def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache) -> StepWork:
@@ -45,7 +46,8 @@ def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache) -> StepWork:
         mirror.last_sample = None
         steps.append(_entry(kv_cache, mirror, seq, token_ids))
     steps.sort(key=lambda step: len(step[0].token_ids) != 1)  # stable: decodes first
-    work = StepWork([s[0] for s in steps], [s[1] for s in steps if s[1]], [s[2] for s in steps if s[1]], [])
+    work = StepWork([s[0] for s in steps], [s[1] for s in steps if s[1]], [s[2] for s in steps if s[1]], [],
+                    [s[3] for s in steps])  # fmt: skip
     first_row = 0
     for scheduled, _, seq_id, mirror, next_token in steps:
         k = mirror.sampling.prompt_logprobs
