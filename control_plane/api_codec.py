@@ -13,6 +13,7 @@ from base.sampling import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS
 from base.v1 import engine_pb2 as pb
 from control_plane import limits
 from control_plane.errors import InvalidRequestError
+from control_plane.images import check_image_count
 from control_plane.request import Usage
 from control_plane.request_stream import Chunk
 from control_plane.scheduler_config import SchedulerConfig
@@ -69,6 +70,7 @@ def decode_generate(m: pb.GenerateRequest):
     """(token ids, text, sampling) after the size limits (control_plane.limits), which run
     first: nothing that grows with a field's size happens before its limit is checked."""
     limits.check_fields(m.request_id, m.cache_salt, m.sampling.stop, m.sampling.stop_token_ids)
+    check_image_count([image.data for image in m.images])
     token_ids, text = decode_prompt(m)
     return token_ids, text, decode_sampling(m.sampling)
 
