@@ -135,3 +135,21 @@ def test_images_for_a_text_only_model_are_refused(real_stack):
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "takes no images" in info.value.details
     real_stack.wait_idle()
+
+
+def test_cli_generate_with_image_files(vl_stack, tmp_path, capsys):
+    """`pagedkv generate PROMPT --image FILE`: the marker is put before a prompt without one,
+    and the ids equal the gRPC client's for the same prompt and image."""
+    from pagedkv.cli import main
+
+    stack, _, _ = vl_stack
+    png = make_image(80, 60, 90)
+    (tmp_path / "a.png").write_bytes(png)
+    code = main(["generate", "--server", stack.address, "Describe.", "--image", str(tmp_path / "a.png"),
+                 "--max-tokens", str(NUM_TOKENS), "--ignore-eos", "--ids"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    expected = complete(stack, "<|vision_start|><|image_pad|><|vision_end|>Describe.", [png])
+    assert [int(t) for t in out.split()] == expected.token_ids
+    assert main(["generate", "--server", stack.address, "x", "--image", str(tmp_path / "missing.png")]) != 0
+    stack.wait_idle()
