@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Sequence
 from typing import Protocol
 
 from base.plan import Plan, SamplingParams, StepResult, WorkerInfo
+from control_plane.images import expand_images
 from control_plane.invariants import check_plan, check_scheduler
 from control_plane.request import RequestOutput
 from control_plane.scheduler import Scheduler
@@ -54,9 +56,16 @@ class EngineCore:
         sampling: SamplingParams | None = None,
         priority: int = 0,
         cache_salt: str = "",
+        images: Sequence[bytes] = (),
     ) -> None:
+        """`images`: encoded files, one per image placeholder of the prompt (expanded here)."""
+        prompt_images = None
+        if images or self.scheduler.info.accepts_images:
+            prompt_token_ids, prompt_images = expand_images(
+                list(prompt_token_ids), images, self.scheduler.info
+            )
         self.scheduler.add_request(
-            request_id, prompt_token_ids, sampling or SamplingParams(), priority, cache_salt
+            request_id, prompt_token_ids, sampling or SamplingParams(), priority, cache_salt, prompt_images
         )
 
     def step(self) -> list[RequestOutput]:
