@@ -32,6 +32,7 @@ SUITES = [
     "prefix_cache",
     "preemption",
     "beam_search",
+    "vision",
 ]
 RESULTS = Path(__file__).parent / "results"
 

@@ -102,7 +102,7 @@ class EngineRequests:
         if not images:
             return expand_images(token_ids, images, self.info)
         check_image_count(images)
-        expanded = await asyncio.to_thread(expand_images, token_ids, images, self.info)
+        expanded = await asyncio.to_thread(expand_images, token_ids, images, self.info, self.image_sizes)
         self._require_available()  # the worker may have gone while we decoded
         return expanded
 

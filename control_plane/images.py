@@ -16,7 +16,9 @@ the header's size (a 100k x 100k image is refused before any pixel is decoded), 
 from __future__ import annotations
 
 import io
+import threading
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from hashlib import blake2b
 
@@ -51,6 +53,32 @@ class PromptImage:
     def for_plan(self, start_pos: int) -> PlanImage:
         """Bytes only when some of its tokens are not yet computed (the worker must encode)."""
         return PlanImage(self.offset, self.grid_thw, self.data if self.end > start_pos else b"")
+
+
+class ImageSizeCache:
+    """Content hash -> (width, height) of images already decoded and checked, so the same
+    picture sent again (a shared image in many requests, a chat resending its history) is
+    hashed, not decoded again (~20 ms for a 448 x 448 PNG). LRU over `capacity` entries;
+    thread-safe (the engine decodes on worker threads)."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self._sizes: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, digest: bytes) -> tuple[int, int] | None:
+        with self._lock:
+            size = self._sizes.get(digest)
+            if size is not None:
+                self._sizes.move_to_end(digest)
+            return size
+
+    def put(self, digest: bytes, size: tuple[int, int]) -> None:
+        with self._lock:
+            self._sizes[digest] = size
+            self._sizes.move_to_end(digest)
+            if len(self._sizes) > self.capacity:
+                self._sizes.popitem(last=False)
 
 
 def check_image_count(images) -> None:
@@ -95,9 +123,12 @@ def image_size(index: int, data: bytes) -> tuple[int, int]:
     return width, height
 
 
-def expand_images(token_ids: list[int], images, facts: ModelFacts) -> tuple[list[int], list[PromptImage]]:
-    """Decode and size every image, and expand each of the prompt's image tokens into its run.
-    Blocking (decodes pixels): call it off the event loop for large images."""
+def expand_images(
+    token_ids: list[int], images, facts: ModelFacts, cache: ImageSizeCache | None = None
+) -> tuple[list[int], list[PromptImage]]:
+    """Decode and size every image (unless `cache` knows its content hash), and expand each of
+    the prompt's image tokens into its run. Blocking (decodes pixels): call it off the event
+    loop for large images."""
     if not facts.accepts_images:
         if images:
             raise InvalidRequestError(f"model {facts.model_name!r} takes no images (a text-only model)")
@@ -119,14 +150,19 @@ def expand_images(token_ids: list[int], images, facts: ModelFacts) -> tuple[list
     prompt_images: list[PromptImage] = []
     previous = 0
     for index, (marker, data) in enumerate(zip(markers, images, strict=True)):
-        width, height = image_size(index, data)
+        digest = blake2b(data, digest_size=32, person=b"pagedkv-image").digest()
+        size = cache.get(digest) if cache is not None else None
+        if size is None:
+            size = image_size(index, data)
+            if cache is not None:
+                cache.put(digest, size)
+        width, height = size
         try:
             grid = patch_grid(height, width, geometry)
         except ImageSizeError as exc:
             raise InvalidRequestError(f"image {index}: {exc}") from None
         count = num_image_tokens(grid, geometry.merge_size)
         expanded.extend(token_ids[previous:marker])
-        digest = blake2b(data, digest_size=32, person=b"pagedkv-image").digest()
         prompt_images.append(PromptImage(len(expanded), count, grid, bytes(data), digest))
         expanded.extend([pad] * count)
         previous = marker + 1

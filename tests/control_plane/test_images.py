@@ -69,3 +69,18 @@ def test_text_only_models_and_stray_placeholders_are_refused():
         expand_images([1, 2], [png(8, 8)], text_only)
     with pytest.raises(InvalidRequestError, match="1 image placeholders"):
         expand_images([1, PAD, 2], [], FACTS)
+
+
+def test_a_repeated_image_is_decoded_once(monkeypatch):
+    from control_plane import images as images_module
+
+    decoded = []
+    real = images_module.image_size
+    monkeypatch.setattr(images_module, "image_size", lambda i, d: decoded.append(i) or real(i, d))
+    cache = images_module.ImageSizeCache(capacity=1)
+    first = expand_images([START, PAD, END], [png(64, 64)], FACTS, cache)
+    again = expand_images([START, PAD, END], [png(64, 64)], FACTS, cache)
+    assert first == again and len(decoded) == 1
+    expand_images([START, PAD, END], [png(32, 96)], FACTS, cache)  # evicts the first (capacity 1)
+    expand_images([START, PAD, END], [png(64, 64)], FACTS, cache)
+    assert len(decoded) == 3

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from PIL import Image
 
+from bench.vl_checkpoint import build_vl_checkpoint, hf_generate, make_image, processor
 from pagedkv.client import ClientError
 from tests.grpc.harness import Stack
-from tests.worker.vl_checkpoint import build_vl_checkpoint, hf_generate, make_image, processor
 
 NUM_TOKENS = 6
 SYSTEM = "You are a careful assistant who looks at pictures and answers briefly. " * 2

@@ -9,10 +9,10 @@ import base64
 import openai
 import pytest
 
+from bench.vl_checkpoint import build_vl_checkpoint, hf_generate, make_image, processor
 from pagedkv.openai_api.chat_template import load_chat_template
 from tests.grpc.harness import Stack
 from tests.openai.harness import HttpFront
-from tests.worker.vl_checkpoint import build_vl_checkpoint, hf_generate, make_image, processor
 
 NUM_TOKENS = 6
 

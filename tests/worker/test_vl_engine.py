@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from base.plan import SamplingParams
+from bench.vl_checkpoint import build_vl_checkpoint, hf_generate, make_image, processor
 from control_plane.engine import EngineCore
 from control_plane.scheduler_config import SchedulerConfig
-from tests.worker.vl_checkpoint import build_vl_checkpoint, hf_generate, make_image, processor
 from worker import Worker, WorkerConfig
 
 NUM_TOKENS = 8

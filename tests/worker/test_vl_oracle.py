@@ -13,7 +13,7 @@ from PIL import Image
 
 from base.plan import PlanImage
 from base.vision import ImageGeometry, ImageSpan
-from tests.worker.vl_checkpoint import (
+from bench.vl_checkpoint import (
     MAX_PIXELS,
     MERGE,
     MIN_PIXELS,

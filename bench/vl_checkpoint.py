@@ -3,7 +3,9 @@ tokenizer with the model's special tokens, a Qwen3-VL-style chat template and a 
 config), the matching Hugging Face processor, and test images made with Pillow.
 
 The reference is transformers' own `Qwen3VLForConditionalGeneration` read back from the same
-directory, driven through its own processor (Pillow backend) and chat template."""
+directory, driven through its own processor (Pillow backend) and chat template. Shared by the
+oracle tests (tests/worker/test_vl_*.py, tests/grpc, tests/openai) and the `vision` bench suite;
+needs transformers (the test extra)."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ MIN_PIXELS, MAX_PIXELS = 32 * 32 * 2, 32 * 32 * 20  # 2 .. 20 placeholder tokens
 WEIGHT_STD = 0.2
 
 
-def write_tokenizer(path: Path) -> dict[str, int]:
+def write_tokenizer(path: Path, max_pixels: int = MAX_PIXELS) -> dict[str, int]:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -61,7 +63,7 @@ def write_tokenizer(path: Path) -> dict[str, int]:
         "patch_size": PATCH,
         "merge_size": MERGE,
         "temporal_patch_size": 2,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": max_pixels},
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
     }
@@ -69,9 +71,9 @@ def write_tokenizer(path: Path) -> dict[str, int]:
     return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
 
 
-def build_vl_checkpoint(path: Path, seed: int = 0, text_layers: int = 3):
+def build_vl_checkpoint(path: Path, seed: int = 0, text_layers: int = 3, max_pixels: int = MAX_PIXELS):
     """Save the model at `path`; return transformers' model read back from it (fp32, eager)."""
-    ids = write_tokenizer(path)
+    ids = write_tokenizer(path, max_pixels)
     vocab = len(ids) + 256
     config = transformers.Qwen3VLConfig(
         text_config=dict(
