@@ -84,3 +84,33 @@ def test_a_repeated_image_is_decoded_once(monkeypatch):
     expand_images([START, PAD, END], [png(32, 96)], FACTS, cache)  # evicts the first (capacity 1)
     expand_images([START, PAD, END], [png(64, 64)], FACTS, cache)
     assert len(decoded) == 3
+
+
+def test_a_plan_carries_image_bytes_up_to_its_budget(monkeypatch):
+    """Image prompts beyond the plan's byte budget wait for the next plan (FCFS); the first
+    always goes, however large, so no request is stuck."""
+    import dataclasses
+
+    from base.plan import SamplingParams
+    from control_plane import scheduler as scheduler_module
+    from control_plane.scheduler import Scheduler
+    from control_plane.scheduler_config import SchedulerConfig
+    from control_plane.sim_worker import SimWorker
+
+    sim = SimWorker(num_blocks=256, block_size=4, vocab_size=100)
+    info = sim.describe()
+    info = dataclasses.replace(
+        info, **{f: getattr(FACTS, f) for f in FACTS.__dataclass_fields__ if "image" in f}
+    )
+    sched = Scheduler(SchedulerConfig(), info)
+    image = png(64, 64)
+    monkeypatch.setattr(scheduler_module, "MAX_PLAN_IMAGE_BYTES", int(len(image) * 1.5))
+    for i in range(3):
+        ids, images = expand_images([1, START, PAD, END, 2], [image], info)
+        sched.add_request(f"r{i}", ids, SamplingParams(max_tokens=2, ignore_eos=True), images=images)
+    sent = []
+    for _ in range(3):
+        plan = sched.schedule()
+        sent.append([len(s.images[0].data) for s in plan.new])
+        sched.update(plan, sim.execute(plan))
+    assert sent[0] == [len(image)] and sent[1] == [len(image)] and sent[2] == [len(image)]
