@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,14 +37,52 @@ VL_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-PATCH, MERGE = 16, 2
+PATCH, MERGE = 16, 2  # Qwen3-VL's geometry (Qwen2.5-VL: FAMILIES["qwen2.5-vl"])
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 2, 32 * 32 * 20  # 2 .. 20 placeholder tokens per image
 WEIGHT_STD = 0.2
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-def write_tokenizer(path: Path, max_pixels: int = MAX_PIXELS) -> dict[str, int]:
+@dataclass(frozen=True)
+class Family:
+    """One model family's tiny test geometry and its transformers classes."""
+
+    model_class: str
+    processor_class: str
+    patch: int
+    mean: list
+    std: list
+    text: dict = field(default_factory=dict)
+    vision: dict = field(default_factory=dict)
+
+    @property
+    def min_pixels(self) -> int:
+        return (self.patch * MERGE) ** 2 * 2
+
+    def max_pixels(self, tokens: int = 20) -> int:
+        return (self.patch * MERGE) ** 2 * tokens
+
+
+FAMILIES = {
+    "qwen3-vl": Family(
+        "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", 16, [0.5] * 3, [0.5] * 3,
+        text=dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
+                                                "mrope_section": [6, 5, 5], "mrope_interleaved": True}),
+        vision=dict(depth=2, num_position_embeddings=16, deepstack_visual_indexes=[0, 1]),
+    ),
+    "qwen2.5-vl": Family(
+        "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", 14, CLIP_MEAN, CLIP_STD,
+        text=dict(rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 3, 3]}),
+        vision=dict(depth=3, window_size=56, fullatt_block_indexes=[1]),  # windows of 2 x 2 tokens
+    ),
+}  # fmt: skip
+
+
+def write_tokenizer(path: Path, max_pixels: int = MAX_PIXELS, family: str = "qwen3-vl") -> dict[str, int]:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+    fam = FAMILIES[family]
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -60,78 +99,85 @@ def write_tokenizer(path: Path, max_pixels: int = MAX_PIXELS) -> dict[str, int]:
     (path / "chat_template.jinja").write_text(VL_TEMPLATE)
     preprocessor = {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "patch_size": PATCH,
+        "patch_size": fam.patch,
         "merge_size": MERGE,
         "temporal_patch_size": 2,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": max_pixels},
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": fam.min_pixels, "longest_edge": max_pixels},
+        "image_mean": fam.mean,
+        "image_std": fam.std,
     }
     (path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
 
 
-def build_vl_checkpoint(path: Path, seed: int = 0, text_layers: int = 3, max_pixels: int = MAX_PIXELS):
+def build_vl_checkpoint(
+    path: Path, seed: int = 0, text_layers: int = 3, max_pixels: int | None = None, family: str = "qwen3-vl"
+):
     """Save the model at `path`; return transformers' model read back from it (fp32, eager)."""
-    ids = write_tokenizer(path, max_pixels)
-    vocab = len(ids) + 256
-    config = transformers.Qwen3VLConfig(
+    fam = FAMILIES[family]
+    max_pixels = max_pixels or fam.max_pixels()
+    ids = write_tokenizer(path, max_pixels, family)
+    eos = ids["<|im_end|>"]
+    config_class = getattr(transformers, fam.model_class.replace("ForConditionalGeneration", "Config"))
+    config = config_class(
         text_config=dict(
-            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=text_layers,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-            rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
-                             "mrope_section": [6, 5, 5], "mrope_interleaved": True},
-            eos_token_id=ids["<|im_end|>"],
+            vocab_size=len(ids) + 256, hidden_size=64, intermediate_size=128, num_hidden_layers=text_layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            eos_token_id=eos, bos_token_id=None, **fam.text,
         ),
         vision_config=dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-            patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2,
-            num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+            hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+            patch_size=fam.patch, spatial_merge_size=MERGE, temporal_patch_size=2, **fam.vision,
         ),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        eos_token_id=ids["<|im_end|>"],
+        eos_token_id=eos,
     )  # fmt: skip
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    model_class = getattr(transformers, fam.model_class)
+    model = model_class(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight"):
+            if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")):
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, WEIGHT_STD)
     model.save_pretrained(path)
-    reference = transformers.Qwen3VLForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    reference = model_class.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     reference.generation_config.eos_token_id = None  # exactly max_new_tokens tokens
     return reference
 
 
-def processor(path: Path):
-    """Hugging Face's Qwen3-VL processor on the checkpoint's tokenizer, Pillow image backend."""
+def processor(path: Path, family: str = "qwen3-vl"):
+    """Hugging Face's processor of the family on the checkpoint's tokenizer, Pillow image backend
+    (what the checkpoint's preprocessor_config.json says)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    fam = FAMILIES[family]
+    settings = json.loads((path / "preprocessor_config.json").read_text())
     image_processor = Qwen2VLImageProcessorPil(
-        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
-        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        patch_size=fam.patch, merge_size=MERGE, temporal_patch_size=2, size=settings["size"],
+        image_mean=fam.mean, image_std=fam.std,
     )  # fmt: skip
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(path)
-    return _ImageOnlyProcessor(
+    processor_class = _image_only(getattr(transformers, fam.processor_class))
+    return processor_class(
         image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=VL_TEMPLATE
     )
 
 
-class _ImageOnlyProcessor(transformers.Qwen3VLProcessor):
-    """Qwen3VLProcessor unchanged, except that it accepts no video processor: transformers' video
+def _image_only(base: type) -> type:
+    """The processor unchanged, except that it accepts no video processor: transformers' video
     processors need torchvision, which the CPU test venv does not carry (images never touch it)."""
 
-    def check_argument_for_proper_class(self, argument_name, argument):
-        if argument_name == "video_processor" and argument is None:
-            return None
-        return super().check_argument_for_proper_class(argument_name, argument)
+    class ImageOnly(base):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    return ImageOnly
 
 
 def make_image(width: int, height: int, seed: int, mode: str = "RGB") -> bytes:

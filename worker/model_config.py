@@ -28,7 +28,7 @@ from worker.errors import ModelLoadError
 from worker.quant.scheme import QuantScheme, parse_quant_config
 from worker.vision.config import MultimodalConfig, parse_multimodal
 
-VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration",)
+VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *VL_ARCHITECTURES)
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -147,9 +147,12 @@ def parse_model_config(
 def _split_vision_language(
     config: dict[str, Any], model_dir: Path | None
 ) -> tuple[dict[str, Any], MultimodalConfig]:
-    """A Qwen3-VL config.json nests its decoder under `text_config`: return that decoder's config
-    (with the top-level keys that apply to it) and the vision side."""
+    """A VL config.json nests its decoder under `text_config` (older Qwen2.5-VL ones keep it at the
+    top level): return that decoder's config (with the top-level keys that apply to it) and the
+    vision side. Their "mrope" RoPE type is default RoPE with 3-D positions (worker/vision)."""
     text = config.get("text_config")
+    if text is None:
+        text = {k: v for k, v in config.items() if k != "vision_config"}
     if not isinstance(text, dict):
         raise ModelLoadError("config.json: a vision-language model needs a text_config object")
     text = dict(text)
@@ -158,8 +161,13 @@ def _split_vision_language(
                 TOKENIZER_HINT_KEY, MODEL_NAME_KEY, "quantization_config"):  # fmt: skip
         if key in config:
             text[key] = config[key]
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    return text, parse_multimodal(config, rope, model_dir)
+    rope_key = "rope_parameters" if text.get("rope_parameters") else "rope_scaling"
+    rope = dict(text.get(rope_key) or {})
+    for type_key in ("rope_type", "type"):
+        if rope.get(type_key) == "mrope":
+            rope[type_key] = "default"
+    text[rope_key] = rope
+    return text, parse_multimodal(_architecture(config), config, rope, model_dir)
 
 
 def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
@@ -224,7 +232,7 @@ def _reject_unsupported_options(config: dict[str, Any]) -> None:
 
 def _family_flags(architecture: str, config: dict[str, Any]) -> tuple[bool, bool, bool]:
     """(qkv_bias, o_proj_bias, qk_norm) for a family; see the table in the module docstring."""
-    if architecture == "Qwen2ForCausalLM":
+    if architecture in ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"):
         return True, False, False
     attention_bias = bool(config.get("attention_bias", False))
     qk_norm = architecture in ("Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration")

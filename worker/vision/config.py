@@ -1,6 +1,7 @@
-"""The vision side of a Qwen3-VL checkpoint: `config.json`'s `vision_config` and token ids, and
-the image processor's settings from `preprocessor_config.json` (Qwen3-VL's defaults when the
-file is absent). The text side is parsed by worker.model_config like any Qwen3 decoder."""
+"""The vision side of a Qwen3-VL or Qwen2.5-VL checkpoint: `config.json`'s `vision_config` and
+token ids, and the image processor's settings from `preprocessor_config.json` (the model's
+published defaults for keys it leaves out). The text side is parsed by worker.model_config like
+any Qwen3 (Qwen3-VL) or Qwen2 (Qwen2.5-VL) decoder."""
 
 from __future__ import annotations
 
@@ -13,20 +14,37 @@ from base.vision import ImageGeometry
 from worker.errors import ModelLoadError
 from worker.vision.preprocess import ImageNormalization
 
-# Qwen3-VL's published preprocessor_config.json values, used for any key the file leaves out.
+QWEN3_VL = "Qwen3VLForConditionalGeneration"
+QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
+# The published preprocessor_config.json values, used for any key the file leaves out.
 DEFAULT_PROCESSOR = {
-    "patch_size": 16,
-    "merge_size": 2,
-    "temporal_patch_size": 2,
-    "min_pixels": 65536,
-    "max_pixels": 16777216,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
+    QWEN3_VL: {
+        "patch_size": 16,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+        "min_pixels": 65536,
+        "max_pixels": 16777216,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    },
+    QWEN2_5_VL: {
+        "patch_size": 14,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+        "min_pixels": 56 * 56,
+        "max_pixels": 28 * 28 * 1280,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],  # OpenAI CLIP's
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    },
 }
 
 
 @dataclass(frozen=True, slots=True)
 class VisionConfig:
+    """Both towers' settings. Qwen3-VL: learned position table, DeepStack; Qwen2.5-VL: windowed
+    attention except in `fullatt_block_indexes`, RMSNorm and gated-MLP blocks."""
+
+    architecture: str
     depth: int
     hidden_size: int
     intermediate_size: int
@@ -40,6 +58,8 @@ class VisionConfig:
     deepstack_visual_indexes: tuple[int, ...]
     hidden_act: str
     rope_theta: float
+    window_size: int = 0  # Qwen2.5-VL: window side in pixels
+    fullatt_block_indexes: tuple[int, ...] = ()  # Qwen2.5-VL: blocks attending to the whole image
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +78,15 @@ class MultimodalConfig:
 
 
 def parse_multimodal(
-    config: dict[str, Any], rope_params: dict[str, Any], model_dir: Path | None
+    architecture: str, config: dict[str, Any], rope_params: dict[str, Any], model_dir: Path | None
 ) -> MultimodalConfig:
     vision = config.get("vision_config")
     if not isinstance(vision, dict):
         raise ModelLoadError("config.json: a vision-language model needs a vision_config object")
+    qwen3 = architecture == QWEN3_VL
     try:
         vision_config = VisionConfig(
+            architecture=architecture,
             depth=int(vision["depth"]),
             hidden_size=int(vision["hidden_size"]),
             intermediate_size=int(vision["intermediate_size"]),
@@ -74,19 +96,22 @@ def parse_multimodal(
             temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
             spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
             out_hidden_size=int(vision["out_hidden_size"]),
-            num_position_embeddings=int(vision["num_position_embeddings"]),
+            num_position_embeddings=int(vision["num_position_embeddings"]) if qwen3 else 0,
             deepstack_visual_indexes=tuple(int(i) for i in vision.get("deepstack_visual_indexes", ())),
-            hidden_act=str(vision.get("hidden_act", "gelu_pytorch_tanh")),
+            hidden_act=str(vision.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "silu")),
             rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            window_size=0 if qwen3 else int(vision["window_size"]),
+            fullatt_block_indexes=() if qwen3 else tuple(int(i) for i in vision["fullatt_block_indexes"]),
         )
         section = tuple(int(s) for s in rope_params["mrope_section"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"config.json: incomplete vision-language settings: {exc!r}") from exc
     if len(section) != 3:
         raise ModelLoadError(f"config.json: mrope_section must have 3 entries, got {section}")
-    if vision_config.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+    supported_acts = ("gelu_pytorch_tanh", "gelu") if qwen3 else ("silu",)
+    if vision_config.hidden_act not in supported_acts:
         raise ModelLoadError(f"config.json: vision hidden_act {vision_config.hidden_act!r} is not supported")
-    processor = _processor_settings(model_dir)
+    processor = _processor_settings(model_dir, DEFAULT_PROCESSOR[architecture])
     if (
         processor["patch_size"] != vision_config.patch_size
         or processor["merge_size"] != vision_config.spatial_merge_size
@@ -120,8 +145,8 @@ def _token_id(config: dict[str, Any], key: str) -> int:
     return value
 
 
-def _processor_settings(model_dir: Path | None) -> dict[str, Any]:
-    settings = dict(DEFAULT_PROCESSOR)
+def _processor_settings(model_dir: Path | None, defaults: dict[str, Any]) -> dict[str, Any]:
+    settings = dict(defaults)
     path = None if model_dir is None else model_dir / "preprocessor_config.json"
     if path is None or not path.is_file():
         return settings

@@ -23,10 +23,10 @@ from worker.vision.config import VisionConfig
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, config: VisionConfig) -> None:
+    def __init__(self, config: VisionConfig, bias: bool = True) -> None:
         super().__init__()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel, bias=True)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel, bias=bias)
 
     def forward(self, patches: Tensor) -> Tensor:
         weight = self.proj.weight
@@ -117,10 +117,10 @@ class VisionTower(nn.Module):
     def forward(self, patches: Tensor, grids: list[tuple[int, int, int]]) -> tuple[Tensor, list[Tensor]]:
         """patches [N, C*T*P*P] of all images (preprocess order), grids (t, h, w) per image ->
         (tokens [N / merge^2, out], DeepStack features, one [N / merge^2, out] per index)."""
-        rows, cols = self._patch_coordinates(grids, patches.device)
+        rows, cols = patch_coordinates(grids, self.config.spatial_merge_size, patches.device)
         x = self.patch_embed(patches)
         x = x + self._position_embedding(rows, cols, grids).to(x.dtype)
-        cos, sin = self._rotary(rows, cols)
+        cos, sin = vision_rotary(rows, cols, self.config)
         lengths = [t * h * w for t, h, w in grids]
         features = []
         indexes = self.config.deepstack_visual_indexes
@@ -129,17 +129,6 @@ class VisionTower(nn.Module):
             if i in indexes:
                 features.append(self.deepstack_merger_list[indexes.index(i)](x))
         return self.merger(x), features
-
-    def _patch_coordinates(self, grids, device) -> tuple[Tensor, Tensor]:
-        """(row, col) of every patch in the grid, in preprocess order (merge squares)."""
-        m = self.config.spatial_merge_size
-        rows, cols = [], []
-        for t, h, w in grids:
-            r = torch.arange(h, device=device).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-            c = torch.arange(w, device=device).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
-            rows.append(r.transpose(1, 2).reshape(-1).repeat(t))
-            cols.append(c.transpose(1, 2).reshape(-1).repeat(t))
-        return torch.cat(rows), torch.cat(cols)
 
     def _position_embedding(self, rows: Tensor, cols: Tensor, grids) -> Tensor:
         """The square table (side x side) resampled to each image's h x w grid, bilinear with
@@ -153,16 +142,35 @@ class VisionTower(nn.Module):
         weight = (r_weights[:, :, None] * c_weights[:, None, :]).reshape(-1, 4)
         return (self.pos_embed(index) * weight[:, :, None].to(self.pos_embed.weight.dtype)).sum(1)
 
-    def _rotary(self, rows: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
-        """fp32 cos/sin [N, head_dim]: the first quarter of frequencies rotate by row, the
-        second by column, both halves repeated (head_dim / 4 frequencies per axis)."""
-        head_dim = self.config.hidden_size // self.config.num_heads
-        spatial = head_dim // 2
-        exponents = torch.arange(0, spatial, 2, dtype=torch.float32, device=rows.device) / spatial
-        inv_freq = 1.0 / (self.config.rope_theta**exponents)
-        freqs = torch.cat((rows[:, None].float() * inv_freq, cols[:, None].float() * inv_freq), dim=-1)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos(), angles.sin()
+
+def patch_coordinates(grids, merge: int, device) -> tuple[Tensor, Tensor]:
+    """(row, col) of every patch in its image's grid, in preprocess order (merge squares)."""
+    rows, cols = [], []
+    for t, h, w in grids:
+        r = (
+            torch.arange(h, device=device)
+            .view(h // merge, merge, 1, 1)
+            .expand(h // merge, merge, w // merge, merge)
+        )
+        c = (
+            torch.arange(w, device=device)
+            .view(1, 1, w // merge, merge)
+            .expand(h // merge, merge, w // merge, merge)
+        )
+        rows.append(r.transpose(1, 2).reshape(-1).repeat(t))
+        cols.append(c.transpose(1, 2).reshape(-1).repeat(t))
+    return torch.cat(rows), torch.cat(cols)
+
+
+def vision_rotary(rows: Tensor, cols: Tensor, config: VisionConfig) -> tuple[Tensor, Tensor]:
+    """fp32 cos/sin [N, head_dim]: the first quarter of frequencies rotate by row, the second by
+    column, both halves repeated (head_dim / 4 frequencies per axis)."""
+    spatial = config.hidden_size // config.num_heads // 2
+    exponents = torch.arange(0, spatial, 2, dtype=torch.float32, device=rows.device) / spatial
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    freqs = torch.cat((rows[:, None].float() * inv_freq, cols[:, None].float() * inv_freq), dim=-1)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
 
 
 def _bilinear_taps(index: Tensor, size: Tensor, side: int) -> tuple[Tensor, Tensor]:

@@ -1,12 +1,14 @@
-"""Qwen3-VL as the worker serves it: the vision tower plus worker.model's decoder stack, whose
-paged KV cache, attention backends and decoder layers are the text models' own.
+"""Qwen3-VL and Qwen2.5-VL as the worker serves them: a vision tower plus worker.model's decoder
+stack, whose paged KV cache, attention backends and decoder layers are the text models' own.
 
-What differs from a text forward, per step (inputs from worker.vision.step_inputs):
+What differs from a text forward, per step (inputs from worker.vision.images):
   - image placeholder rows of the chunk take the tower's tokens instead of token embeddings;
   - rotary angles come from 3-D positions (M-RoPE), not from the KV position;
-  - DeepStack: after decoder layer k (k < number of features) the image rows add feature k.
+  - DeepStack (Qwen3-VL): after decoder layer k (k < number of features) the image rows add
+    feature k.
 
-Module names follow the checkpoint (`model.language_model.*`, `model.visual.*`, `lm_head`).
+Module names follow the checkpoints (Qwen3-VL: `model.language_model.*`, `model.visual.*`;
+Qwen2.5-VL: `model.*`, `visual.*`; both `lm_head`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from worker.kv_cache import KVCache
 from worker.model import DecoderStack
 from worker.model_config import ModelConfig
 from worker.rotary import inverse_frequencies
+from worker.vision.config import QWEN2_5_VL
 from worker.vision.mrope import MRotaryEmbedding
 from worker.vision.tower import VisionTower
+from worker.vision.tower_qwen25 import WindowedVisionTower
 from worker.weights import load_tensors
 
 
@@ -39,6 +43,8 @@ class ImageRows:
 
 
 class VisionLanguageStack(nn.Module):
+    """Qwen3-VL's `model.*`: `model.language_model.*` and `model.visual.*`."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.language_model = DecoderStack(config)
@@ -51,7 +57,13 @@ class VisionLanguageLM(nn.Module):
         if config.multimodal is None:
             raise ValueError("VisionLanguageLM needs a multimodal config")
         self.config = config
-        self.model = VisionLanguageStack(config)
+        # The checkpoints' layouts differ: Qwen3-VL nests both under `model`, Qwen2.5-VL keeps
+        # the decoder as `model.*` (a text model's names) and the tower as `visual.*`.
+        if config.architecture == QWEN2_5_VL:
+            self.model = DecoderStack(config)
+            self.visual = WindowedVisionTower(config.multimodal.vision)
+        else:
+            self.model = VisionLanguageStack(config)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -59,6 +71,14 @@ class VisionLanguageLM(nn.Module):
         )
         self.rotary: MRotaryEmbedding | None = None
         self.quantized: dict = {}  # quantized VL checkpoints are refused at load
+
+    @property
+    def language(self) -> DecoderStack:
+        return self.model if isinstance(self.model, DecoderStack) else self.model.language_model
+
+    @property
+    def tower(self) -> nn.Module:
+        return self.visual if isinstance(self.model, DecoderStack) else self.model.visual
 
     @classmethod
     def from_checkpoint(
@@ -79,7 +99,7 @@ class VisionLanguageLM(nn.Module):
         self, patches: Tensor, grids: list[tuple[int, int, int]]
     ) -> tuple[Tensor, list[Tensor]]:
         """The tower over every image of a step at once: (tokens, DeepStack features)."""
-        return self.model.visual(patches, grids)
+        return self.tower(patches, grids)
 
     def forward(
         self,
@@ -90,7 +110,7 @@ class VisionLanguageLM(nn.Module):
         images: ImageRows | None = None,
     ) -> Tensor:
         """positions: int64 [3, T] rotary positions (or [T] when every row is text)."""
-        stack = self.model.language_model
+        stack = self.language
         x = stack.embed_tokens(input_ids)
         if images is not None:
             x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
@@ -103,5 +123,5 @@ class VisionLanguageLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         if self.lm_head is None:
-            return F.linear(hidden, self.model.language_model.embed_tokens.weight).float()
+            return F.linear(hidden, self.language.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
