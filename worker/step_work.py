@@ -72,7 +72,9 @@ def _entry(kv_cache, mirror: SequenceMirror, seq, token_ids: list[int]):
         row = SamplingRow(mirror.sampling, mirror.sample_index, position, seq.num_samples, seq.num_candidates,
                           mirror.counts, max(0, position - mirror.prompt_len))  # fmt: skip
     table = kv_cache.physical_table(seq.seq_id, mirror.block_ids)
+    images = mirror.images  # worker.vision.images.SequenceImages: decode tokens rotate by its shift
+    shift = images.shift if images is not None and seq.start_pos >= images.spans[-1].end else 0
     scheduled = ScheduledSequence(
-        table=table, token_ids=token_ids, start_pos=seq.start_pos, sample=seq.sample
+        table=table, token_ids=token_ids, start_pos=seq.start_pos, sample=seq.sample, rope_shift=shift
     )
     return scheduled, row, seq.seq_id, mirror, seq.next_token

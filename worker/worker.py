@@ -207,8 +207,8 @@ class Worker:
             raise WorkerConfigError(
                 f"the CUDA kernels cannot serve this model on {self.device}: {exc}"
             ) from exc
-        if not self.config.cuda_graph or self.config.layout != KVLayout.PAGED or self.vision is not None:
-            return None  # (vision models: the graph runner has no M-RoPE shift yet; eager decode)
+        if not self.config.cuda_graph or self.config.layout != KVLayout.PAGED:
+            return None
         return DecodeGraphRunner(
             self.model, self.kv_cache, self.max_model_len, self.config.cuda_graph_max_batch_size, self.device
         )

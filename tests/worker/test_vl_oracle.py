@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from base.plan import PlanImage
-from base.vision import ImageGeometry, ImageSpan
+from base.vision import ImageGeometry, ImageSpan, rope_shift
 from bench.vl_checkpoint import (
     MAX_PIXELS,
     MERGE,
@@ -113,6 +113,7 @@ def test_rope_positions_equal_get_rope_index(vl):
     np.testing.assert_array_equal(rope_positions(spans, 9, 30), expected[:, 0, 9:30].numpy())
     after = rope_positions(spans, len(prompt), len(prompt) + 3)
     assert (after == np.arange(len(prompt), len(prompt) + 3) + int(delta)).all()
+    assert rope_shift(spans) == int(delta)  # what the mirror keeps for decode (and CUDA graphs)
 
 
 CASES = {
