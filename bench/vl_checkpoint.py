@@ -111,9 +111,15 @@ def write_tokenizer(path: Path, max_pixels: int = MAX_PIXELS, family: str = "qwe
 
 
 def build_vl_checkpoint(
-    path: Path, seed: int = 0, text_layers: int = 3, max_pixels: int | None = None, family: str = "qwen3-vl"
+    path: Path,
+    seed: int = 0,
+    text_layers: int = 3,
+    max_pixels: int | None = None,
+    family: str = "qwen3-vl",
+    hidden_size: int = 64,
 ):
-    """Save the model at `path`; return transformers' model read back from it (fp32, eager)."""
+    """Save the model at `path`; return transformers' model read back from it (fp32, eager).
+    `hidden_size`: the decoder's width (the benchmark's larger model; heads of 32 or more)."""
     fam = FAMILIES[family]
     max_pixels = max_pixels or fam.max_pixels()
     ids = write_tokenizer(path, max_pixels, family)
@@ -121,12 +127,13 @@ def build_vl_checkpoint(
     config_class = getattr(transformers, fam.model_class.replace("ForConditionalGeneration", "Config"))
     config = config_class(
         text_config=dict(
-            vocab_size=len(ids) + 256, hidden_size=64, intermediate_size=128, num_hidden_layers=text_layers,
+            vocab_size=len(ids) + 256, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+            num_hidden_layers=text_layers,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
             eos_token_id=eos, bos_token_id=None, **fam.text,
         ),
         vision_config=dict(
-            hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+            hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
             patch_size=fam.patch, spatial_merge_size=MERGE, temporal_patch_size=2, **fam.vision,
         ),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
