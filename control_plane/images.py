@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from hashlib import blake2b
 
 from base.plan import ModelFacts, PlanImage
-from base.vision import ImageGeometry, ImageSizeError, num_image_tokens, patch_grid
+from base.vision import MAX_ASPECT_RATIO, ImageGeometry, ImageSizeError, num_image_tokens, patch_grid
 from control_plane.errors import InvalidRequestError
 
 MAX_IMAGES = 8
@@ -79,6 +79,19 @@ class ImageSizeCache:
             self._sizes.move_to_end(digest)
             if len(self._sizes) > self.capacity:
                 self._sizes.popitem(last=False)
+
+
+def image_limits():
+    """These limits as ModelInfo.image_limits (engine.proto ImageLimits)."""
+    from base.v1 import engine_pb2
+
+    return engine_pb2.ImageLimits(
+        max_images=MAX_IMAGES,
+        max_image_bytes=MAX_IMAGE_BYTES,
+        max_image_pixels=MAX_IMAGE_PIXELS,
+        min_image_side=MIN_IMAGE_SIDE,
+        max_aspect_ratio=MAX_ASPECT_RATIO,
+    )
 
 
 def check_image_count(images) -> None:

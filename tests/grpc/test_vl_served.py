@@ -129,6 +129,16 @@ def test_bad_images_are_invalid_argument_and_leak_nothing(vl_stack, case):
     stack.wait_idle()
 
 
+def test_model_info_reports_the_image_facts_and_limits(vl_stack, real_stack):
+    stack, reference, _ = vl_stack
+    info = stack.client.model_info()
+    assert info.facts.image_token_id == reference.config.image_token_id
+    assert (info.facts.image_patch_size, info.facts.image_merge_size) == (16, 2)
+    assert info.image_limits.max_images == 8 and info.image_limits.max_image_pixels == 64 * 1024 * 1024
+    text_only = real_stack.client.model_info()
+    assert text_only.facts.image_patch_size == 0 and not text_only.HasField("image_limits")
+
+
 def test_images_for_a_text_only_model_are_refused(real_stack):
     with pytest.raises(ClientError) as info:
         real_stack.client.complete(token_ids=[1, 2, 3], images=[_png(32, 32)], max_tokens=2)
