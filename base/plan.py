@@ -46,6 +46,20 @@ NULL_BLOCK_ID = 0
 
 
 @dataclass(slots=True)
+class PlanImage:
+    """One image of a sequence's prompt: its placeholder run starts at KV position `offset` and
+    holds grid_t * grid_h * grid_w / merge^2 tokens (`grid_thw` is the processor's patch grid).
+
+    `data` (the encoded file) travels only while the worker still has to encode it, i.e. when
+    some of its tokens lie at or after the NewSequence's start_pos; a fork or a resume past the
+    image sends only where it is (the worker needs that for rotary positions)."""
+
+    offset: int
+    grid_thw: tuple[int, int, int]
+    data: bytes = b""
+
+
+@dataclass(slots=True)
 class NewSequence:
     """A sequence the worker has no mirror of: first scheduled, resumed after preemption,
     or forked from a parent (n > 1, beam search). Carries its whole block table."""
@@ -71,6 +85,8 @@ class NewSequence:
     # Prompt logprobs of a chunk that ends before the prompt does: the token after its last
     # input, whose logprob the chunk's last position gives (None otherwise).
     next_token: int | None = None
+    # The prompt's images, in prompt order (vision-language models only); see PlanImage.
+    images: list[PlanImage] = field(default_factory=list)
     feed_last_sample: ClassVar[bool] = False  # a new sequence has no sample to feed
 
     @property
@@ -183,6 +199,18 @@ class ModelFacts:
     forward_kernels: str = ""  # e.g. "avx512bf16 (prebuilt)"; "" for the reference
     forward_fallback_reason: str = ""  # why the fused CPU forward was wanted but is not running
     quantization: str = ""  # e.g. "awq (awq-gemm) int4 g128 asym; packed codes"; "" = unquantized
+    # Vision-language models (image_patch_size 0 = text only): see engine.proto ModelFacts.
+    image_token_id: int = 0
+    vision_start_token_id: int = 0
+    vision_end_token_id: int = 0
+    image_patch_size: int = 0
+    image_merge_size: int = 0
+    image_min_pixels: int = 0
+    image_max_pixels: int = 0
+
+    @property
+    def accepts_images(self) -> bool:
+        return self.image_patch_size > 0
 
 
 @dataclass(slots=True, frozen=True)

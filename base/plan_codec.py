@@ -24,6 +24,7 @@ from base.plan import (
     ModelFacts,
     NewSequence,
     Plan,
+    PlanImage,
     PromptLogprobs,
     SamplingParams,
     SeqOutput,
@@ -132,6 +133,9 @@ def _encode_new(s: NewSequence, m: pb.NewSequence, sampling_cache: dict) -> None
         m.history.extend(s.history)
     if s.next_token is not None:
         m.next_token = s.next_token
+    for image in s.images:
+        t, h, w = image.grid_thw
+        m.images.add(offset=image.offset, grid_t=t, grid_h=h, grid_w=w, data=image.data)
 
 
 def encode_plan(plan: Plan, expected_instance_id: str = "") -> pb.Plan:
@@ -196,6 +200,7 @@ def decode_plan(m: pb.Plan) -> Plan:
                 s.prompt_len,
                 s.history[:],
                 s.next_token if s.HasField("next_token") else None,
+                [PlanImage(i.offset, (i.grid_t, i.grid_h, i.grid_w), i.data) for i in s.images],
             )
             for s in m.new
         ],

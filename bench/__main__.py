@@ -34,6 +34,7 @@ SUITES = [
     "beam_search",
     "sampling",
     "structured",
+    "vision",
 ]
 RESULTS = Path(__file__).parent / "results"
 

@@ -36,6 +36,8 @@ GOALS = (
     Goal("memory", "concurrency_ratio", ">=", 5.0, "concurrent requests, paged / contiguous, same KV budget"),
     Goal("memory", "paged_max_waste_tokens_per_seq", "<=", 15, "paged KV waste per sequence (tokens)"),
     Goal("prefix_cache", "ttft_speedup", ">=", 8.0, "TTFT cold / warm, 512-token shared system prompt"),
+    Goal("vision", "prefix_ttft_speedup", ">=", 5.0,
+         "TTFT cold / warm, 16 requests sharing one image + system prompt (tiny VL model)"),
     Goal("preemption", "all_completed", "==", True, "every request of a 3x-oversubscribed pool completes"),
     Goal("beam_search", "memory_saving_w4_long_prompt_min", ">=", 0.37,
          "KV blocks saved by sharing, beam width 4, 512-token prompt (vLLM paper: 37.6-55.2 %)"),

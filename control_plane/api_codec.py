@@ -13,6 +13,7 @@ from base.sampling import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS
 from base.v1 import engine_pb2 as pb
 from control_plane import limits
 from control_plane.errors import InvalidRequestError
+from control_plane.images import check_image_count, image_limits
 from control_plane.request import Usage
 from control_plane.request_stream import Chunk
 from control_plane.scheduler_config import SchedulerConfig
@@ -70,6 +71,7 @@ def decode_generate(m: pb.GenerateRequest):
     """(token ids, text, sampling) after the size limits (control_plane.limits), which run
     first: nothing that grows with a field's size happens before its limit is checked."""
     limits.check_fields(m.request_id, m.cache_salt, m.sampling.stop, m.sampling.stop_token_ids)
+    check_image_count([image.data for image in m.images])
     token_ids, text = decode_prompt(m)
     return token_ids, text, decode_sampling(m.sampling)
 
@@ -162,10 +164,13 @@ def encode_model_info(info: WorkerInfo, config: SchedulerConfig, max_model_len: 
     """The worker's facts with the server's max_model_len, and the control plane's limits."""
     facts = encode_facts(info)
     facts.max_model_len = max_model_len
-    return pb.ModelInfo(
+    model_info = pb.ModelInfo(
         facts=facts,
         kv_cache_bytes=info.num_blocks * info.bytes_per_block,
         max_n=min(config.max_n, max_running),
         max_num_seqs=max_running,
         max_beam_width=min(config.max_n, max_running) if info.kv_layout == KVLayout.PAGED else 0,
     )
+    if info.accepts_images:
+        model_info.image_limits.CopyFrom(image_limits())
+    return model_info

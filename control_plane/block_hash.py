@@ -8,12 +8,15 @@ which is why the cache does not keep tokens to re-verify. Python's `hash` is nev
 it is salted per process and only 64 bits wide.
 
 Extra keys (cache salt, adapter id) enter every block, so two tenants with different salts
-never share a block even when their tokens agree.
+never share a block even when their tokens agree. A block holding any of an image's placeholder
+tokens also takes that image's content hash (vLLM's mm_hash): placeholders are the same id for
+every image, so without it two prompts with different pictures would share KV.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from hashlib import blake2b
 
 _ROOT = b"pagedkv-v1-root"
@@ -37,10 +40,23 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: list[int], block_size: int, num_full: int, extra: bytes = b""
+    hashes: list[bytes],
+    token_ids: list[int],
+    block_size: int,
+    num_full: int,
+    extra: bytes = b"",
+    images: Sequence = (),
 ) -> None:
-    """Append hashes until `hashes` covers the first `num_full` full blocks of `token_ids`."""
+    """Append hashes until `hashes` covers the first `num_full` full blocks of `token_ids`.
+    `images`: the prompt's control_plane.images.PromptImage (offset, end, content_hash)."""
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
+        start, end = i * block_size, (i + 1) * block_size
+        block_extra = extra + image_keys(images, start, end) if images else extra
+        parent = hash_block(parent, token_ids[start:end], block_extra)
         hashes.append(parent)
+
+
+def image_keys(images: Sequence, start: int, end: int) -> bytes:
+    """The content hashes of the images with placeholder tokens in [start, end), in order."""
+    return b"".join(b"img=" + i.content_hash for i in images if i.offset < end and i.end > start)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Sequence
 from typing import Protocol
 
 from base.plan import Plan, SamplingParams, StepResult, WorkerInfo
+from control_plane.images import ImageSizeCache, expand_images
 from control_plane.invariants import check_plan, check_scheduler
 from control_plane.request import RequestOutput
 from control_plane.scheduler import Scheduler
@@ -43,6 +45,7 @@ class EngineCore:
         self.plans_in_flight = plans_in_flight  # 1 = the strict loop
         self._in_flight: deque[tuple[Plan, StepResult]] = deque()  # executed, not applied
         self.scheduler = Scheduler(config or SchedulerConfig(), worker.describe())
+        self.image_sizes = ImageSizeCache()  # images already decoded (by content hash)
         if check_invariants is None:
             check_invariants = os.environ.get("PAGEDKV_CHECK_INVARIANTS", "") == "1"
         self.check_invariants = check_invariants
@@ -54,9 +57,16 @@ class EngineCore:
         sampling: SamplingParams | None = None,
         priority: int = 0,
         cache_salt: str = "",
+        images: Sequence[bytes] = (),
     ) -> None:
+        """`images`: encoded files, one per image placeholder of the prompt (expanded here)."""
+        prompt_images = None
+        if images or self.scheduler.info.accepts_images:
+            prompt_token_ids, prompt_images = expand_images(
+                list(prompt_token_ids), images, self.scheduler.info, self.image_sizes
+            )
         self.scheduler.add_request(
-            request_id, prompt_token_ids, sampling or SamplingParams(), priority, cache_salt
+            request_id, prompt_token_ids, sampling or SamplingParams(), priority, cache_salt, prompt_images
         )
 
     def step(self) -> list[RequestOutput]:

@@ -54,6 +54,7 @@ from control_plane.errors import (
     WorkerUnavailableError,
 )
 from control_plane.grammar_check import GrammarCheck
+from control_plane.images import ImageSizeCache
 from control_plane.request import FinishReason, RequestOutput
 from control_plane.request_stream import RequestStream, TokenTimings
 from control_plane.scheduler import Scheduler
@@ -127,6 +128,7 @@ class AsyncEngine(EngineRequests):
         self.info: WorkerInfo | None = None
         self.tokenizer: Tokenizer | None = None
         self.grammar_check: GrammarCheck | None = None
+        self.image_sizes = ImageSizeCache()  # images already decoded (by content hash)
         self.available = False
         self._listeners: list[Callable[[bool], None]] = []
         self._connected = False  # a worker answered Describe + Reset and no step failed since

@@ -24,6 +24,7 @@ from control_plane.errors import (
     RequestNotFoundError,
     WorkerUnavailableError,
 )
+from control_plane.images import check_image_count, expand_images
 from control_plane.request import FinishReason, RequestOutput
 from control_plane.request_stream import Chunk, RequestStream
 
@@ -48,6 +49,7 @@ class EngineRequests:
         request_id: str = "",
         priority: int = 0,
         cache_salt: str = "",
+        images: Sequence[bytes] = (),
     ) -> RequestStream:
         """Admit a request; raises an EngineError (mapped to a gRPC status by the service).
         Field sizes were checked where the request was decoded (api_codec); the text's length
@@ -68,8 +70,13 @@ class EngineRequests:
         if sampling.structured is not None:  # compiled off the loop, before any block exists
             await self.grammar_check.check(sampling.structured)
             self._require_available()
+        prompt_images = None
+        if images or self.info.accepts_images:
+            prompt_token_ids, prompt_images = await self._expand_images(list(prompt_token_ids), images)
         request_id = request_id or uuid.uuid4().hex
-        req = self.scheduler.add_request(request_id, prompt_token_ids, sampling, priority, cache_salt)
+        req = self.scheduler.add_request(
+            request_id, prompt_token_ids, sampling, priority, cache_salt, prompt_images
+        )
         stream = RequestStream(
             request_id, sampling.n, self.tokenizer, sampling.stop, req.arrival, sampling.min_tokens
         )
@@ -91,6 +98,16 @@ class EngineRequests:
                 f"no worker is connected (worker at {self.worker.target} is starting, restarting, "
                 "down or not answering); retry shortly"
             )
+
+    async def _expand_images(self, token_ids: list[int], images: Sequence[bytes]):
+        """control_plane.images.expand_images, off the event loop when there are pixels to
+        decode (a 10 MiB PNG takes ~0.1 s; other streams must not wait for it)."""
+        if not images:
+            return expand_images(token_ids, images, self.info)
+        check_image_count(images)
+        expanded = await asyncio.to_thread(expand_images, token_ids, images, self.info, self.image_sizes)
+        self._require_available()  # the worker may have gone while we decoded
+        return expanded
 
     async def _tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if len(text) <= TOKENIZE_INLINE_CHARS:

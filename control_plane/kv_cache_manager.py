@@ -62,7 +62,9 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs  # cap: the last token is always computed
-        extend_block_hashes(seq.block_hashes, seq.token_ids, bs, max_blocks, seq.request.extra_keys)
+        extend_block_hashes(
+            seq.block_hashes, seq.token_ids, bs, max_blocks, seq.request.extra_keys, seq.request.images
+        )
         hits: list[KVBlock] = []
         get = self.pool.cached.get
         for block_hash in seq.block_hashes[:max_blocks]:
@@ -94,7 +96,12 @@ class KVCacheManager:
         done = self.num_cached_blocks.get(seq.seq_id, 0)
         if num_full > done:
             extend_block_hashes(
-                seq.block_hashes, seq.token_ids, self.block_size, num_full, seq.request.extra_keys
+                seq.block_hashes,
+                seq.token_ids,
+                self.block_size,
+                num_full,
+                seq.request.extra_keys,
+                seq.request.images,
             )
             self._filling_hashes.update(seq.block_hashes[done:num_full])
             self._filling_seqs.append(seq)
@@ -192,7 +199,12 @@ class KVCacheManager:
         if num_full <= done:
             return
         extend_block_hashes(
-            seq.block_hashes, seq.token_ids, self.block_size, num_full, seq.request.extra_keys
+            seq.block_hashes,
+            seq.token_ids,
+            self.block_size,
+            num_full,
+            seq.request.extra_keys,
+            seq.request.images,
         )
         table = self.tables[seq.seq_id]
         for i in range(done, num_full):

@@ -15,6 +15,7 @@ message limit, failing every live request. The limits are documented in engine.p
     token_ids          max_model_len - max_tokens ids          Scheduler._validate, before the vocab scan
     text               max_model_len x 64 characters           AsyncEngine.submit/tokenize, before tokenizing
     Detokenize ids     262144 ids, each in [0, vocab_size)     AsyncEngine.detokenize, before decoding
+    images             8, each 1 B..10 MiB, <= 64 M pixels    api_codec (count, bytes), images.py (rest)
     whole message      16 MiB (gRPC, RESOURCE_EXHAUSTED)       the Engine server's receive limit
 """
 

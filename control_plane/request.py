@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from base.plan import SamplingParams
 from control_plane.beam_search import BeamSearch
+from control_plane.images import PromptImage
 
 
 class FinishReason(enum.IntEnum):
@@ -107,10 +108,16 @@ class Request:
     # SamplingParams.prompt_logprobs: entry p - 1 is the prompt token at position p's
     # (logprob, top ids, top logprobs), filled chunk by chunk as results arrive
     prompt_logprobs: list[PromptTokenLogprob] = field(default_factory=list)
+    # Vision-language models: the prompt's images, placeholders already expanded (in order)
+    images: list[PromptImage] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def image_bytes_to_send(self, start_pos: int) -> int:
+        """Bytes a NewSequence starting at `start_pos` carries (images not yet computed)."""
+        return sum(len(i.data) for i in self.images if i.end > start_pos)
 
     @property
     def is_finished(self) -> bool:

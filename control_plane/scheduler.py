@@ -37,6 +37,7 @@ from control_plane.errors import (
     InvalidRequestError,
     ResourceExhaustedError,
 )
+from control_plane.images import MAX_PLAN_IMAGE_BYTES, PromptImage
 from control_plane.kv_cache_manager import Allocation, KVCacheManager
 from control_plane.limits import short
 from control_plane.request import FinishReason, Request, RequestOutput, SeqStatus, Sequence
@@ -89,8 +90,10 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         sampling: SamplingParams,
         priority: int = 0,
         cache_salt: str = "",
+        images: list[PromptImage] | None = None,
     ) -> Request:
-        """Queue a request. Raises a control_plane.errors exception when it is wrong or can never run."""
+        """Queue a request. Raises a control_plane.errors exception when it is wrong or can never run.
+        `images`: control_plane.images.expand_images' output for these (expanded) prompt ids."""
         if request_id in self.requests:
             raise DuplicateRequestError(f"request id {short(request_id)!r} is already live; use a unique id")
         self._validate(prompt_token_ids, sampling)
@@ -109,6 +112,7 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
             self._arrival,
             eos_token_ids=() if sampling.ignore_eos else tuple(self.info.eos_token_ids),
             extra_keys=make_extra_keys(cache_salt),
+            images=list(images or ()),
         )
         req.stop_ids = frozenset(stop_ids.union(req.eos_token_ids))
         if sampling.is_beam_search:
@@ -291,6 +295,7 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
 
     def _schedule_waiting(self, plan: Plan, budget: int) -> None:
         taken = self.num_seats_taken()
+        image_bytes = 0  # encoded images this plan carries (the encoder budget, in bytes)
         while budget > 0:
             seq = self._peek_waiting()
             if seq is not None and seq.request.beam is not None:
@@ -311,9 +316,13 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
             num_new = min(seq.num_tokens - num_hit, budget)
             cap = self.config.long_prefill_token_threshold
             num_new = min(num_new, cap) if cap else num_new
+            seq_image_bytes = seq.request.image_bytes_to_send(num_hit) if seq.request.images else 0
+            if image_bytes and image_bytes + seq_image_bytes > MAX_PLAN_IMAGE_BYTES:
+                return  # its images go in the next plan (FCFS), keeping a plan's size bounded
             alloc = self.kv.allocate_slots(seq, num_new, hits)
             if alloc is None:
                 return  # head-of-line blocks: FCFS, no overtaking by smaller requests
+            image_bytes += seq_image_bytes
             heapq.heappop(self.waiting)
             self.num_waiting -= 1
             self._admit(plan, seq, num_hit, num_new, alloc)
@@ -373,6 +382,7 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
                     req.num_prompt_tokens,
                     seq.token_ids[:start] if _needs_history(req.sampling) else [],
                     _next_prompt_token(seq, start + len(tokens)),
+                    [image.for_plan(start) for image in req.images],
                 )
             )
             seq.synced = True

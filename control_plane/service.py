@@ -79,6 +79,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 request_id=request.request_id,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
+                images=[image.data for image in request.images],
             )
         except EngineError as e:
             rid = short(request.request_id)

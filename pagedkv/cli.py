@@ -242,6 +242,14 @@ def _add_generate_command(sub) -> argparse.ArgumentParser:
     prompt = g.add_argument_group("prompt (exactly one)")
     prompt.add_argument("prompt", nargs="?", help="prompt text, tokenized by the server")
     prompt.add_argument("--token-ids", type=token_id_list, metavar="1,2,3", help="prompt as token ids")
+    g.add_argument(
+        "--image",
+        action="append",
+        metavar="FILE",
+        help="an image for a vision-language model (repeatable; PNG, JPEG, WebP, ...). Each goes where "
+        "the prompt has <|vision_start|><|image_pad|><|vision_end|>; a text prompt without any gets "
+        "one such marker per image put before it",
+    )
     sampling = g.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int_in(1, UINT32_MAX), default=16, help="(default 16)")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

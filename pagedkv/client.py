@@ -115,11 +115,13 @@ def build_request(
     beam_width: int = 0,
     length_penalty: float | None = None,
     early_stopping: str = "heuristic",
+    images: Sequence[bytes] = (),
     **sampling_fields,
 ) -> engine_pb2.GenerateRequest:
     """A GenerateRequest from keyword arguments (exactly one of `prompt` and `token_ids`);
     any other SamplingParams field (presence_penalty=0.5, logit_bias={7: -100.0},
-    top_logprobs=5, prompt_logprobs=0, ...) by its proto name."""
+    top_logprobs=5, prompt_logprobs=0, ...) by its proto name. `images`: encoded files, one per
+    image placeholder of the prompt (vision-language models)."""
     if (prompt is None) == (token_ids is None):
         raise ValueError("pass exactly one of `prompt` (text) and `token_ids`")
     sampling = engine_pb2.SamplingParams(
@@ -145,6 +147,7 @@ def build_request(
         sampling=sampling,
         priority=priority,
         cache_salt=cache_salt,
+        images=[engine_pb2.ImageInput(data=bytes(data)) for data in images],
     )
 
 

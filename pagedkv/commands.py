@@ -110,9 +110,34 @@ def logprob_rows(m) -> str:
     return "".join(rows)
 
 
+IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"  # Qwen-VL's, as its chat template writes it
+
+
+def with_images(prompt: str | None, files: list[str] | None) -> tuple[str | None, list[bytes]]:
+    """(prompt, image bytes) for --image: a text prompt with no image marker gets one per image
+    in front of it, so `generate "What is this?" --image cat.png` does what it says."""
+    if not files:
+        return prompt, []
+    images = []
+    for name in files:
+        try:
+            with open(name, "rb") as f:
+                images.append(f.read())
+        except OSError as e:
+            raise ValueError(f"cannot read --image {name}: {e.strerror}") from None
+    if prompt is not None and "<|image_pad|>" not in prompt:
+        prompt = IMAGE_MARKER * len(images) + prompt
+    return prompt, images
+
+
 def cmd_generate(args) -> int:
     kw = request_kwargs(args)
     prompt = args.prompt if args.token_ids is None else None
+    try:
+        prompt, kw["images"] = with_images(prompt, args.image)
+    except ValueError as e:
+        print(f"pagedkv generate: {e}", file=sys.stderr)
+        return 2
     if args.logprobs and not args.json:
         render, header = logprob_rows, LOGPROB_HEADER
     else:

@@ -37,6 +37,9 @@ class ScheduledSequence:
     token_ids: Sequence[int]
     start_pos: int  # position of token_ids[0]; positions < start_pos are already cached
     sample: bool  # produce logits for the last token
+    # Rotary minus KV position of this step's tokens when they are all text past a vision
+    # model's images (decode): the rotary position a decode graph feeds is start_pos + this.
+    rope_shift: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -141,7 +144,7 @@ def fill_decode_inputs(
     for row, seq in enumerate(seqs):
         position = seq.start_pos
         input_ids[row] = seq.token_ids[0]
-        positions[row] = position
+        positions[row] = position + seq.rope_shift  # rotary position; slots use the KV one
         slot_mapping[row] = seq.table[position // block_size] * block_size + position % block_size
         seq_lens[row] = position + 1
         num_blocks = blocks_needed(position + 1, block_size)

@@ -12,6 +12,10 @@ device buffers that the kernels read:
     block_tables                          int32 [B, W]    graph; W = ceil(max_model_len / bs)
     query_start_loc                       int32 [B + 1]   constant 0..B (one token per row)
 
+`positions` are rotary positions: the KV position plus, for a vision-language model's sequence,
+its M-RoPE shift (a decode token is text, so its three rotary axes are equal and one position
+per row suffices); slots come from the KV position.
+
 Why this is safe across steps (the failure mode to avoid: a block that was never synced):
   - the full table row of every sequence is rewritten before each replay, so a block
     appended this step is visible to the kernels of this step;

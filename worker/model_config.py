@@ -26,8 +26,10 @@ from typing import Any
 
 from worker.errors import ModelLoadError
 from worker.quant.scheme import QuantScheme, parse_quant_config
+from worker.vision.config import MultimodalConfig, parse_multimodal
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *VL_ARCHITECTURES)
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10000.0
@@ -81,6 +83,7 @@ class ModelConfig:
     tokenizer_hint: str | None = None
     model_name_hint: str | None = None
     quantization: QuantScheme | None = None  # config.json's quantization_config, checked
+    multimodal: MultimodalConfig | None = None  # vision-language models (worker/vision)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -92,13 +95,16 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
     config = _read_json(model_dir / "config.json", required=True)
     generation_config = _read_json(model_dir / "generation_config.json", required=False)
-    return parse_model_config(config, generation_config)
+    return parse_model_config(config, generation_config, model_dir)
 
 
 def parse_model_config(
-    config: dict[str, Any], generation_config: dict[str, Any] | None = None
+    config: dict[str, Any], generation_config: dict[str, Any] | None = None, model_dir: Path | None = None
 ) -> ModelConfig:
     architecture = _architecture(config)
+    multimodal = None
+    if architecture in VL_ARCHITECTURES:
+        config, multimodal = _split_vision_language(config, model_dir)
     num_heads = _positive_int(config, "num_attention_heads")
     num_kv_heads = _positive_int(config, "num_key_value_heads", default=num_heads)
     hidden_size = _positive_int(config, "hidden_size")
@@ -134,7 +140,34 @@ def parse_model_config(
         tokenizer_hint=config.get(TOKENIZER_HINT_KEY),
         model_name_hint=config.get(MODEL_NAME_KEY),
         quantization=parse_quant_config(config),
+        multimodal=multimodal,
     )
+
+
+def _split_vision_language(
+    config: dict[str, Any], model_dir: Path | None
+) -> tuple[dict[str, Any], MultimodalConfig]:
+    """A VL config.json nests its decoder under `text_config` (older Qwen2.5-VL ones keep it at the
+    top level): return that decoder's config (with the top-level keys that apply to it) and the
+    vision side. Their "mrope" RoPE type is default RoPE with 3-D positions (worker/vision)."""
+    text = config.get("text_config")
+    if text is None:
+        text = {k: v for k, v in config.items() if k != "vision_config"}
+    if not isinstance(text, dict):
+        raise ModelLoadError("config.json: a vision-language model needs a text_config object")
+    text = dict(text)
+    text["architectures"] = config["architectures"]
+    for key in ("tie_word_embeddings", "dtype", "torch_dtype", "eos_token_id", "bos_token_id",
+                TOKENIZER_HINT_KEY, MODEL_NAME_KEY, "quantization_config"):  # fmt: skip
+        if key in config:
+            text[key] = config[key]
+    rope_key = "rope_parameters" if text.get("rope_parameters") else "rope_scaling"
+    rope = dict(text.get(rope_key) or {})
+    for type_key in ("rope_type", "type"):
+        if rope.get(type_key) == "mrope":
+            rope[type_key] = "default"
+    text[rope_key] = rope
+    return text, parse_multimodal(_architecture(config), config, rope, model_dir)
 
 
 def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
@@ -199,10 +232,11 @@ def _reject_unsupported_options(config: dict[str, Any]) -> None:
 
 def _family_flags(architecture: str, config: dict[str, Any]) -> tuple[bool, bool, bool]:
     """(qkv_bias, o_proj_bias, qk_norm) for a family; see the table in the module docstring."""
-    if architecture == "Qwen2ForCausalLM":
+    if architecture in ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"):
         return True, False, False
     attention_bias = bool(config.get("attention_bias", False))
-    return attention_bias, attention_bias, architecture == "Qwen3ForCausalLM"
+    qk_norm = architecture in ("Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration")
+    return attention_bias, attention_bias, qk_norm
 
 
 def _rope_config(config: dict[str, Any]) -> RopeConfig:

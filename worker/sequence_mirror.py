@@ -37,6 +37,9 @@ class SequenceMirror:
     grammar: object | None = None
     grammar_pos: int = 0
     grammar_failed: bool = False
+    # Vision-language models: the prompt's images, their rotary shift and encoder outputs
+    # not yet consumed (worker.vision.images.SequenceImages); None for a text-only prompt.
+    images: object | None = None
 
 
 class SequenceMirrors:

@@ -24,6 +24,7 @@ class StepWork:
     rows: list[SamplingRow]  # one per sampling sequence, in scheduled order
     sampled_ids: list[int]  # their seq ids
     prompt: list[PromptRows]  # flat rows are indices into the step's concatenated tokens
+    mirrors: list[SequenceMirror]  # aligned with `scheduled` (vision models read their images)
 
 
 def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache, grammars=None) -> StepWork:
@@ -48,7 +49,8 @@ def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache, grammars=None) ->
         mirror.last_sample = None
         steps.append(_entry(kv_cache, mirror, seq, token_ids, grammars))
     steps.sort(key=lambda step: len(step[0].token_ids) != 1)  # stable: decodes first
-    work = StepWork([s[0] for s in steps], [s[1] for s in steps if s[1]], [s[2] for s in steps if s[1]], [])
+    work = StepWork([s[0] for s in steps], [s[1] for s in steps if s[1]], [s[2] for s in steps if s[1]], [],
+                    [s[3] for s in steps])  # fmt: skip
     first_row = 0
     for scheduled, _, seq_id, mirror, next_token in steps:
         k = mirror.sampling.prompt_logprobs
@@ -75,7 +77,9 @@ def _entry(kv_cache, mirror: SequenceMirror, seq, token_ids: list[int], grammars
         row = SamplingRow(mirror.sampling, mirror.sample_index, position, seq.num_samples, seq.num_candidates,
                           mirror.counts, max(0, position - mirror.prompt_len), mirror.grammar)  # fmt: skip
     table = kv_cache.physical_table(seq.seq_id, mirror.block_ids)
+    images = mirror.images  # worker.vision.images.SequenceImages: decode tokens rotate by its shift
+    shift = images.shift if images is not None and seq.start_pos >= images.spans[-1].end else 0
     scheduled = ScheduledSequence(
-        table=table, token_ids=token_ids, start_pos=seq.start_pos, sample=seq.sample
+        table=table, token_ids=token_ids, start_pos=seq.start_pos, sample=seq.sample, rope_shift=shift
     )
     return scheduled, row, seq.seq_id, mirror, seq.next_token

@@ -42,6 +42,8 @@ from worker.prompt_logprobs import compute as compute_prompt_logprobs
 from worker.sampler import Sampler
 from worker.sequence_mirror import SequenceMirrors
 from worker.step_work import apply_plan
+from worker.vision.images import VisionRuntime, check_plan_images
+from worker.vision.vl_model import VisionLanguageLM
 from worker.worker_config import (
     WorkerConfig,
     default_kv_cache_memory,
@@ -68,7 +70,9 @@ class Worker:
             config.max_model_len, self.model_config.max_position_embeddings
         )
         self.backend = get_backend(self.device)
-        self.model = CausalLM.from_checkpoint(self.model_dir, self.model_config, self.dtype, self.device)
+        model_class = VisionLanguageLM if self.model_config.multimodal else CausalLM
+        self.model = model_class.from_checkpoint(self.model_dir, self.model_config, self.dtype, self.device)
+        self.vision = VisionRuntime(self.model, self.device) if self.model_config.multimodal else None
         self.kv_spec = KVCacheSpec(
             num_layers=self.model_config.num_layers,
             num_kv_heads=self.model_config.num_kv_heads,
@@ -121,8 +125,11 @@ class Worker:
         """`execute`, also returning the fp32 logits [outputs, vocab] the tokens were sampled
         from (row i belongs to result.outputs[i]); for tests and backend comparisons."""
         validate_plan(plan, self.mirrors, self.limits, self.kv_cache.num_free_rows)
+        check_plan_images(plan, self.model_config.multimodal)
         self.grammars.prepare(plan)
         work = apply_plan(plan, self.mirrors, self.kv_cache, self.grammars)
+        if self.vision is not None:
+            self.vision.admit(plan.new, self.mirrors)
         self.kv_cache.copy_blocks(plan.copies)
         if not work.scheduled:
             return StepResult(step_id=plan.step_id), torch.empty(0, self.model_config.vocab_size)
@@ -160,7 +167,12 @@ class Worker:
             hidden = self.fast_forward(inputs, self.kv_cache, rows)
             compute_logits = self.fast_forward.compute_logits
         else:
-            full = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
+            if self.vision is not None:  # M-RoPE positions and image rows
+                positions, images = self.vision.step_inputs(work.mirrors, work.scheduled)
+                full = self.model(inputs.input_ids, positions, self.kv_cache, inputs.attention, images)
+                self.vision.release(work.mirrors)
+            else:
+                full = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
             hidden = full[torch.tensor(rows, dtype=torch.int64, device=full.device)]
             compute_logits = self.model.compute_logits
         if not extra:
@@ -224,7 +236,11 @@ class Worker:
         self.forward_fallback_reason = ""
         if self.device.type != "cpu" or self.config.cpu_kernels == "reference":
             return None
-        reason = fast_forward_unavailable(self.model, self.device, self.dtype)
+        reason = (
+            "vision-language models run the reference forward"
+            if self.vision is not None
+            else fast_forward_unavailable(self.model, self.device, self.dtype)
+        )
         if reason is not None:
             if self.config.cpu_kernels == "fast":
                 raise WorkerConfigError(f"--cpu-kernels fast: the fused CPU forward cannot run: {reason}")
@@ -280,6 +296,21 @@ class Worker:
             forward_fallback_reason=self.forward_fallback_reason,
             quantization=self._quantization(),
             tokenizer_json=tokenizer_json,
+            **self._image_facts(),
+        )
+
+    def _image_facts(self) -> dict[str, int]:
+        mm = self.model_config.multimodal
+        if mm is None:
+            return {}
+        return dict(
+            image_token_id=mm.image_token_id,
+            vision_start_token_id=mm.vision_start_token_id,
+            vision_end_token_id=mm.vision_end_token_id,
+            image_patch_size=mm.geometry.patch_size,
+            image_merge_size=mm.geometry.merge_size,
+            image_min_pixels=mm.geometry.min_pixels,
+            image_max_pixels=mm.geometry.max_pixels,
         )
 
     def _quantization(self) -> str:

@@ -22,10 +22,15 @@ _DONE = object()
 
 
 def build_requests(
-    request_id: str, prompts: list, sampling: engine_pb2.SamplingParams, priority: int, cache_salt: str
+    request_id: str,
+    prompts: list,
+    sampling: engine_pb2.SamplingParams,
+    priority: int,
+    cache_salt: str,
+    images: list[bytes] = (),
 ) -> list[engine_pb2.GenerateRequest]:
     """One GenerateRequest per prompt; ids `request_id` (one prompt) or `request_id-i`, so
-    `pagedkv block-table ID` finds an HTTP request's blocks."""
+    `pagedkv block-table ID` finds an HTTP request's blocks. `images`: a chat's (one prompt)."""
     out = []
     for i, prompt in enumerate(prompts):
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
@@ -38,6 +43,7 @@ def build_requests(
                 sampling=sampling,
                 priority=priority,
                 cache_salt=cache_salt,
+                images=[engine_pb2.ImageInput(data=data) for data in images],
             )
         )
     return out

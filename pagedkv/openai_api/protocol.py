@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from base.v1 import engine_pb2
 from pagedkv.openai_api.errors import bad_request, unsupported
+from pagedkv.openai_api.images import MAX_IMAGES, image_bytes, is_image_part
 from pagedkv.openai_api.structured import structured_output
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the gRPC API's default is greedy)
@@ -277,6 +278,9 @@ class CompletionRequest(_GenerationRequest):
         return sampling
 
 
+NOT_HERE = "image parts are accepted by /v1/chat/completions only"
+
+
 class ChatMessage(BaseModel):
     """A message as the chat template sees it; unknown keys (name, tool_calls, ...) pass through."""
 
@@ -284,10 +288,14 @@ class ChatMessage(BaseModel):
     role: StrictStr
     content: StrictStr | list[dict] | None = None
 
-    def for_template(self) -> dict:
+    def for_template(self, images: list[bytes] | None = None, no_images: str = NOT_HERE) -> dict:
+        """The message as the chat template takes it. Text-only parts are joined into one string;
+        with image parts the content stays a list (text parts and `{"type": "image"}`, which
+        Qwen-VL templates render as their image marker) and each image's bytes are appended to
+        `images` (None: image parts are refused, `no_images` says why)."""
         out = self.model_dump(exclude_unset=True)
         if isinstance(self.content, list):
-            out["content"] = _text_of_parts(self.content)
+            out["content"] = _content_for_template(self.content, images, no_images)
         calls = out.get("tool_calls")
         if isinstance(calls, list):  # templates render arguments as objects (as vLLM passes them)
             out["tool_calls"] = [_arguments_as_object(c) for c in calls]
@@ -305,14 +313,27 @@ def _arguments_as_object(call):
     return call
 
 
-def _text_of_parts(parts: list[dict]) -> str:
-    """Text content parts joined with newlines (as vLLM does); other part types are refused."""
-    texts = []
+def _content_for_template(parts: list[dict], images: list[bytes] | None, no_images: str) -> str | list[dict]:
+    """Text parts joined with newlines (as vLLM does) when there is no image; other part types
+    are refused."""
+    kept: list[dict] = []
     for part in parts:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise unsupported("messages.content", f"content part type {part.get('type')!r}; only text parts")
-        texts.append(part["text"])
-    return "\n".join(texts)
+        if is_image_part(part):
+            if images is None:
+                raise unsupported("messages.content", no_images)
+            if len(images) >= MAX_IMAGES:
+                raise bad_request(f"at most {MAX_IMAGES} images per request", "messages")
+            images.append(image_bytes(part, len(images)))
+            kept.append({"type": "image"})
+        elif part.get("type") == "text" and isinstance(part.get("text"), str):
+            kept.append({"type": "text", "text": part["text"]})
+        else:
+            raise unsupported(
+                "messages.content", f"content part type {part.get('type')!r}; only text and image_url parts"
+            )
+    if all(p["type"] == "text" for p in kept):
+        return "\n".join(p["text"] for p in kept)
+    return kept
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -349,7 +370,8 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.echo:
             raise unsupported("echo", "chat completions do not echo; use /v1/completions with echo")
 
-    def template_messages(self) -> list[dict]:
+    def template_messages(self, images: list[bytes] | None = None, no_images: str = NOT_HERE) -> list[dict]:
+        """Messages for the chat template; image parts' bytes are collected into `images`."""
         if not self.messages:
             raise bad_request("messages is empty", "messages")
-        return [m.for_template() for m in self.messages]
+        return [m.for_template(images, no_images) for m in self.messages]

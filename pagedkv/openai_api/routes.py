@@ -127,13 +127,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     info, model = await front.resolve_model(body.model)
     template = template_for(front.chat_template, info.facts.tokenizer_kind)
     calls = ToolCalling.of(body, template.text)
+    images: list[bytes] | None = [] if info.facts.image_patch_size else None
+    messages = body.template_messages(images, f"model {model!r} takes no images (a text-only model)")
+    images = images or []
     prompt = template.render(
-        body.template_messages(), body.add_generation_prompt, body.chat_template_kwargs, calls.definitions
+        messages, body.add_generation_prompt, body.chat_template_kwargs, calls.definitions
     )
     top = body.top_logprobs_count()
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:
-        max_tokens = default_chat_max_tokens(info, prompt)
+        max_tokens = default_chat_max_tokens(info, prompt, len(images))
     texts = front.token_texts(info)
     view = View(
         chat=True,
@@ -150,6 +153,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             body.sampling(max_tokens, top, calls.constraint),
             body.priority,
             body.cache_salt or "",
+            images,
         ),
         Envelope(rid, "chat.completion", model),
         body.n,
@@ -161,12 +165,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await _run(request, job)
 
 
-def default_chat_max_tokens(info: engine_pb2.ModelInfo, prompt: str) -> int:
+def default_chat_max_tokens(info: engine_pb2.ModelInfo, prompt: str, num_images: int = 0) -> int:
     """OpenAI's chat default is "as many as fit". The front does not tokenize, so it bounds
     the prompt's tokens from above: its UTF-8 bytes (exact for the byte tokenizer), + 1 for a
     Hugging Face tokenizer (each token covers at least one byte; a prefix-space token may be
-    added). What fits: the model's max length, and in a paged pool its blocks."""
+    added), + each image's most placeholder tokens (max_pixels / (patch x merge)^2). What
+    fits: the model's max length, and in a paged pool its blocks."""
     prompt_bound = len(prompt.encode("utf-8")) + (0 if info.facts.tokenizer_kind == "byte" else 1)
+    if num_images:
+        token_pixels = (info.facts.image_patch_size * info.facts.image_merge_size) ** 2
+        prompt_bound += num_images * (info.facts.image_max_pixels // token_pixels)
     limit = info.facts.max_model_len
     if info.facts.kv_layout == engine_pb2.KV_LAYOUT_PAGED:
         limit = min(limit, (info.facts.num_blocks - 1) * info.facts.block_size)

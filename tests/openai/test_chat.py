@@ -104,9 +104,14 @@ def test_template_errors_and_unsupported_parts_are_400(sim):
             model=sim.model, messages=[{"role": "tool", "content": "x"}], max_tokens=2
         )
     image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
-    with pytest.raises(openai.BadRequestError, match="only text parts"):
+    with pytest.raises(openai.BadRequestError, match="takes no images"):  # a text-only model
         client.chat.completions.create(
             model=sim.model, messages=[{"role": "user", "content": image}], max_tokens=2
+        )
+    audio = [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]
+    with pytest.raises(openai.BadRequestError, match="only text and image_url parts"):
+        client.chat.completions.create(
+            model=sim.model, messages=[{"role": "user", "content": audio}], max_tokens=2
         )
     with pytest.raises(openai.BadRequestError, match="function.name"):
         client.chat.completions.create(

@@ -17,3 +17,16 @@ def test_leading_decodes_and_host_lengths_are_recorded():
     assert meta.seq_lens.tolist() == list(meta.host_seq_lens)
     assert build_model_inputs([_seq(1, 2), _seq(1, 0)], 4, "cpu").attention.num_decode_seqs == 2
     assert build_model_inputs([_seq(3, 0), _seq(1, 5)], 4, "cpu").attention.num_decode_seqs == 0
+
+
+def test_decode_rows_rotate_by_their_rope_shift_and_write_by_kv_position():
+    """A vision model's decode token: rotary position = KV position + shift; slot by KV position."""
+    import numpy as np
+
+    from worker.batch import ScheduledSequence, fill_decode_inputs
+
+    seqs = [ScheduledSequence(table=[3, 5], token_ids=[7], start_pos=9, sample=True, rope_shift=-4)]
+    ids, pos, slots = (np.zeros(2, np.int64) for _ in range(3))
+    lens, tables = np.zeros(2, np.int32), np.zeros((2, 4), np.int32)
+    fill_decode_inputs(seqs, 8, ids, pos, slots, lens, tables)
+    assert pos[0] == 5 and slots[0] == 5 * 8 + 1 and lens[0] == 10

@@ -166,6 +166,8 @@ class DrivenSequence:
     generated: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # one row per sampled step
     logprobs: list[float] = field(default_factory=list)
+    images: list = field(default_factory=list)  # PlanImage, sent with every NewSequence
+    prompt_len: int = 0  # NewSequence.prompt_len (0: not sent, as before images existed)
 
 
 class PlanDriver:
@@ -238,6 +240,8 @@ class PlanDriver:
             sample,
             sample_index=seq.sample_index,
             num_samples=seq.num_samples,
+            prompt_len=seq.prompt_len,
+            images=list(seq.images),
         )
 
     def _grow_table(self, seq: DrivenSequence, num_positions: int) -> list[int]:
