@@ -39,7 +39,7 @@ from pathlib import Path
 from kernels.cache_dir import default_cache_dir
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("cpu_ops.c", "cpu_attention.c", "cpu_gemm.c", "cpu_quant.c", "cpu_decoder.c")
+SOURCES = ("cpu_ops.c", "cpu_attention.c", "cpu_gemm.c", "cpu_quant.c", "cpu_decoder.c", "cpu_sampling.c")
 HEADERS = ("cpu_simd.h",)
 BASE_OPTIONS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
 # A compiler without an OpenMP runtime (clang without libomp) still builds the kernels, run on one
@@ -107,6 +107,7 @@ SIGNATURES = {
     "pq_quantize_rows": (None, (_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT)),
     "pq_gather_rows": (None, (_INT, _P, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _INT)),
     "pk_decoder": (_INT, (_P, _P, _P, _P, _P, _INT)),
+    "row_lse_topk": (_INT, (_P, _I64, _I64, _I64, _INT, _P, _P, _P, _INT)),
     "pk_decoder_scratch_bytes": (_I64, (_P, _I64)),
     "paged_attention": (
         _INT,

@@ -196,6 +196,17 @@ class FastCpuForward:
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)
 
+    def lse_topk(self, x: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+        """worker.sampler.LseTopk: each row's logsumexp and its k largest logits' ids and
+        log-probabilities, in one kernel call (no [rows, vocab] log-softmax is written)."""
+        rows, n = x.shape
+        lse, ids, values = torch.empty(rows), torch.empty(rows, k, dtype=torch.int64), torch.empty(rows, k)
+        status = self.ops.row_lse_topk(x.data_ptr(), rows, n, x.stride(0), k, lse.data_ptr(), ids.data_ptr(),
+                                       values.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if status != 0:
+            raise ValueError(f"row_lse_topk: k = {k} is outside what the kernel takes (status {status})")
+        return lse, ids, values
+
     def __call__(self, inputs: ModelInputs, kv_cache, rows: list[int] | None = None) -> Tensor:
         """The final-norm hidden states of `rows` (ascending flat token rows; default: the
         sampling rows), from one C call for the whole decoder stack (kernels/cpu_decoder.c;

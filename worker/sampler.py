@@ -28,7 +28,7 @@ where the logits are, in float64; only the sampled ids and their logprobs come b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,10 +104,18 @@ def sample_uniforms(rows: Sequence[SamplingRow], generator: torch.Generator) -> 
     return uniforms
 
 
+# (rows [R, V] fp32 contiguous on the CPU, k) -> (logsumexp [R], top-k ids [R, k], their
+# logprobs [R, k], largest first): the fast CPU forward's one-pass kernel (kernels/cpu_sampling.c).
+LseTopk = Callable[[Tensor, int], tuple[Tensor, Tensor, Tensor]]
+
+
 class Sampler:
-    def __init__(self, seed: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, seed: int, eos_token_ids: tuple[int, ...] = (), lse_topk: LseTopk | None = None
+    ) -> None:
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
         self._eos = eos_token_ids  # min_tokens bans them too
+        self._lse_topk = lse_topk  # logprobs of CPU logits without a materialized log-softmax
 
     def sample(
         self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: np.ndarray | None = None
@@ -137,6 +145,37 @@ class Sampler:
                     results[i] = item
         return results
 
+    def _logprobs(self, raw: Tensor, rows: Sequence[SamplingRow], owners: list[int], tokens: Tensor):
+        """The sampled tokens' logprobs (rows asking `logprobs`, per sample in order) and each
+        asking row's top_logprobs alternatives: row -> (ids, logprobs), best first. Both of the
+        raw logits' log-softmax, computed once for the rows that want either."""
+        tabled = [i for i, row in enumerate(rows) if row.params.logprobs or row.params.top_logprobs]
+        if not tabled:
+            return [], {}
+        x = _rows_view(raw, tabled)
+        slot = {row: j for j, row in enumerate(tabled)}
+        k = max(rows[i].params.top_logprobs for i in tabled)
+        picked = [s for s, i in enumerate(owners) if rows[i].params.logprobs]
+        at = (_index([slot[owners[s]] for s in picked], raw), tokens[_index(picked, raw)])
+        if self._lse_topk is not None and x.device.type == "cpu":
+            lse, top_ids, top_values = self._lse_topk(x.contiguous(), k)
+            logprobs = (x[at] - lse[at[0]]).tolist() if picked else []
+        else:  # one materialized log-softmax (the device path and the oracle)
+            table = torch.log_softmax(x, dim=-1)
+            logprobs = table[at].tolist() if picked else []
+            top_values, top_ids = torch.topk(table, k, dim=-1) if k else (None, None)
+        if not k:
+            return logprobs, {}
+        top_ids, top_values = top_ids.tolist(), top_values.tolist()
+        return logprobs, {
+            i: (
+                top_ids[slot[i]][: rows[i].params.top_logprobs],
+                top_values[slot[i]][: rows[i].params.top_logprobs],
+            )
+            for i in tabled
+            if rows[i].params.top_logprobs
+        }
+
     def _sample(
         self, raw: Tensor, rows: Sequence[SamplingRow], bitmask: np.ndarray | None = None
     ) -> list[SampledTokens]:
@@ -161,17 +200,7 @@ class Sampler:
             chosen = [owners[s] for s in chunk]
             tokens[_index(chunk, logits)] = _draw(_rows_view(logits, chosen), [rows[i] for i in chosen], flat)
         token_list = tokens.tolist()
-        # one log-softmax over the rows that want the sampled logprob or alternatives (or both)
-        tabled = [i for i, row in enumerate(rows) if row.params.logprobs or row.params.top_logprobs]
-        table = torch.log_softmax(_rows_view(raw, tabled), dim=-1) if tabled else None
-        slot = {row: j for j, row in enumerate(tabled)}
-        logprobs: list[float] = []
-        if any(rows[i].params.logprobs for i in tabled):
-            picked = [s for s, i in enumerate(owners) if rows[i].params.logprobs]
-            logprobs = table[
-                _index([slot[owners[s]] for s in picked], logits), tokens[_index(picked, logits)]
-            ].tolist()
-        tops = _top_logprobs(table, slot, rows)
+        logprobs, tops = self._logprobs(raw, rows, owners, tokens)
         results, s, lp = [], 0, 0
         for i, row in enumerate(rows):
             end = s + row.num_samples
@@ -184,23 +213,6 @@ class Sampler:
             results.append(SampledTokens(token_list[s:end], row_logprobs, top_ids, top_values))
             s = end
         return results
-
-
-def _top_logprobs(
-    table: Tensor | None, slot: dict[int, int], rows: Sequence[SamplingRow]
-) -> dict[int, tuple[list[int], list[float]]]:
-    """row -> (ids, logprobs) of its top_logprobs most likely tokens, best first, from `table`
-    (the raw logits' log-softmax; row i at table row slot[i])."""
-    wanted = [i for i, row in enumerate(rows) if row.params.top_logprobs]
-    if not wanted:
-        return {}
-    k = max(rows[i].params.top_logprobs for i in wanted)
-    values, ids = torch.topk(_rows_view(table, [slot[i] for i in wanted]), k, dim=-1)
-    values, ids = values.tolist(), ids.tolist()
-    return {
-        i: (ids[j][: rows[i].params.top_logprobs], values[j][: rows[i].params.top_logprobs])
-        for j, i in enumerate(wanted)
-    }
 
 
 def top_candidates(logits: Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:

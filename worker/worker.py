@@ -102,7 +102,8 @@ class Worker:
         if self.fast_forward is None and self.model.quantized:  # the reference runs dense linears
             self.model.materialize_quantized(self.dtype, self.device)
         self.mirrors = SequenceMirrors(self.model_config.vocab_size)
-        self.sampler = Sampler(config.seed, self.model_config.eos_token_ids)
+        lse_topk = None if self.fast_forward is None else self.fast_forward.lse_topk
+        self.sampler = Sampler(config.seed, self.model_config.eos_token_ids, lse_topk)
         self.instance_id = uuid.uuid4().hex
         self._info = self._describe()
         self.grammars = GrammarMatchers(
