@@ -11,13 +11,30 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
+from kernels import cpu_build
 from kernels.nvrtc import CompiledProgram
 from kernels.specs import ProgramSpec
+from tests.cpu_kernels import variant_ops
 from tests.kernels.instantiations import ARCHS, all_programs, compile_into
 
 RESOURCE_TABLE = pytest.StashKey[list[str]]()
 RESOURCE_FILE = pytest.StashKey[str]()
 PRINT_TABLE_ENV = "PAGEDKV_PTXAS_TABLE"
+
+
+@pytest.fixture(scope="session")
+def all_ops(tmp_path_factory) -> dict[str, cpu_build.CpuOps]:
+    """The fast CPU kernels of every ISA variant this CPU runs, loaded side by side."""
+    return variant_ops(tmp_path_factory.mktemp("cpu-variants"))
+
+
+@pytest.fixture(params=[v.name for v in cpu_build.machine_variants()])
+def ops(request, all_ops) -> cpu_build.CpuOps:
+    """One variant's kernels: a CPU kernel test runs once per variant (skipped, saying why,
+    where this CPU cannot run it)."""
+    if request.param not in all_ops:
+        pytest.skip(f"this CPU does not run the {request.param} variant (it runs {', '.join(all_ops)})")
+    return all_ops[request.param]
 
 
 @pytest.fixture(scope="session")

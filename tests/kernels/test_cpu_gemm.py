@@ -9,23 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_build
-from tests.cpu_kernels import variant_ops
 from worker.cpu_weights import PANEL, PanelLinear, pack_panels, unpack_panels
 
 WEIGHT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(scope="module")
-def all_ops(tmp_path_factory):
-    return variant_ops(tmp_path_factory.mktemp("cpu-variants"))
-
-
-@pytest.fixture(params=[v.name for v in cpu_build.machine_variants()])
-def ops(request, all_ops):
-    if request.param not in all_ops:
-        pytest.skip(f"this CPU does not run the {request.param} variant (it runs {', '.join(all_ops)})")
-    return all_ops[request.param]
 
 
 def test_panel_layout_is_the_documented_index_math():

@@ -12,26 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build
-from tests.cpu_kernels import variant_ops
 from worker.backends.cpu import CpuAttentionBackend
 from worker.cpu_weights import dtype_code
 from worker.rotary import apply_rotary
 
 THREADS = 2
 KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(scope="module")
-def all_ops(tmp_path_factory):
-    return variant_ops(tmp_path_factory.mktemp("cpu-variants"))
-
-
-@pytest.fixture(params=[v.name for v in cpu_build.machine_variants()])
-def ops(request, all_ops):
-    if request.param not in all_ops:
-        pytest.skip(f"this CPU does not run the {request.param} variant (it runs {', '.join(all_ops)})")
-    return all_ops[request.param]
 
 
 def random_paged_batch(rng, q_lens, ctx_lens, heads, kv_heads, dim, block_size, kv_dtype=torch.float32):

@@ -19,24 +19,10 @@ import math
 import pytest
 import torch
 
-from kernels import cpu_build
-from tests.cpu_kernels import variant_ops
 from worker.cpu_quant_weights import ACTIVATION_BLOCK, QuantLinear
 from worker.quant.weight import QuantizedWeight
 
 FP32_SLACK = 2.0**-20  # a few fp32 roundings of the block sums, relative to their magnitude
-
-
-@pytest.fixture(scope="module")
-def all_ops(tmp_path_factory):
-    return variant_ops(tmp_path_factory.mktemp("cpu-variants"))
-
-
-@pytest.fixture(params=[v.name for v in cpu_build.machine_variants()])
-def ops(request, all_ops):
-    if request.param not in all_ops:
-        pytest.skip(f"this CPU does not run the {request.param} variant (it runs {', '.join(all_ops)})")
-    return all_ops[request.param]
 
 
 def random_weight(n: int, k: int, bits: int, group: int, dtype: torch.dtype, gen) -> QuantizedWeight:

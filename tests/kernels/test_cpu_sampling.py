@@ -8,21 +8,8 @@ import pytest
 import torch
 
 from base.plan import SamplingParams
-from kernels import cpu_build
-from tests.cpu_kernels import load_ops, variant_ops
+from tests.cpu_kernels import load_ops
 from worker.sampler import Sampler, SamplingRow
-
-
-@pytest.fixture(scope="module")
-def all_ops(tmp_path_factory):
-    return variant_ops(tmp_path_factory.mktemp("cpu-variants"))
-
-
-@pytest.fixture(params=[v.name for v in cpu_build.machine_variants()])
-def ops(request, all_ops):
-    if request.param not in all_ops:
-        pytest.skip(f"this CPU does not run the {request.param} variant (it runs {', '.join(all_ops)})")
-    return all_ops[request.param]
 
 
 def lse_topk(ops, x: torch.Tensor, k: int, threads: int = 2):
