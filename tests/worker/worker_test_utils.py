@@ -253,3 +253,15 @@ class PlanDriver:
     def decode(self, seq_ids: list[int], num_steps: int) -> None:
         for _ in range(num_steps):
             self.step(dict.fromkeys(seq_ids))
+
+
+def teacher_forced(worker, streams: list[list[int]]) -> torch.Tensor:
+    """[sum of len - 1, vocab]: the logits predicting stream[p + 1] from stream[: p + 1], every
+    stream decoded one token per step in one batch (the decode path is what serving runs)."""
+    driver = PlanDriver(worker)
+    seqs = [driver.add(i + 1, stream[:1]) for i, stream in enumerate(streams)]
+    for position in range(1, len(streams[0])):
+        driver.step(dict.fromkeys(s.seq_id for s in seqs))
+        for seq, stream in zip(seqs, streams, strict=True):
+            seq.tokens[-1] = stream[position]  # feed the stream, not the sample
+    return torch.cat([torch.stack(seq.logits) for seq in seqs])
