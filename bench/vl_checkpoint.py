@@ -79,16 +79,23 @@ FAMILIES = {
 }  # fmt: skip
 
 
-def write_tokenizer(path: Path, max_pixels: int = MAX_PIXELS, family: str = "qwen3-vl") -> dict[str, int]:
+def write_byte_bpe_tokenizer(path: Path, special_tokens: list[str]):
+    """tokenizer.json at `path`: a byte-level BPE with no merges (ids 0-255: the bytes, as
+    GPT-2's alphabet), then `special_tokens` in order. Returns the `tokenizers.Tokenizer`."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    fam = FAMILIES[family]
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
     tok.save(str(path / "tokenizer.json"))
+    return tok
+
+
+def write_tokenizer(path: Path, max_pixels: int = MAX_PIXELS, family: str = "qwen3-vl") -> dict[str, int]:
+    fam = FAMILIES[family]
+    tok = write_byte_bpe_tokenizer(path, SPECIAL_TOKENS)
     config = {
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",

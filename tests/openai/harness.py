@@ -74,14 +74,9 @@ class HttpFront:
 def write_hf_model_dir(path: Path) -> list[int]:
     """tokenizer.json + tokenizer_config.json (ChatML template) at `path`; returns the special
     tokens' ids. The vocabulary: 256 byte tokens, then SPECIAL_TOKENS."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from bench.vl_checkpoint import write_byte_bpe_tokenizer
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.save(str(path / "tokenizer.json"))
+    tok = write_byte_bpe_tokenizer(path, SPECIAL_TOKENS)
     config = {
         "bos_token": {  # the AddedToken form older checkpoints use: a dict
             "__type": "AddedToken",
