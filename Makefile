@@ -127,11 +127,13 @@ soak: setup
 
 # Wheels (CPython 3.12, x86-64) of what the lent GPU machine's image lacks, pinned to this
 # venv's versions, for `.ci/gpu-device` there (see that file and docs/GPU_VALIDATION.md).
-DEVICE_PKGS := ^(grpcio|grpcio-tools|grpcio-health-checking|grpcio-reflection|protobuf|structlog)==
+# transformers: the image's 5.17 predates the VL oracles' >= 5.24 (its hub/tokenizers/safetensors
+# there satisfy 5.24's pins); llguidance: structured outputs' grammar engine.
+DEVICE_PKGS := ^(grpcio|grpcio-tools|grpcio-health-checking|grpcio-reflection|protobuf|structlog|llguidance|transformers)==
 device-wheels: setup
 	rm -rf .whl && mkdir -p .whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $$($(PY) -m pip freeze | grep -E '$(DEVICE_PKGS)')
 
 lint: setup
