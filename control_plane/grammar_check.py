@@ -56,7 +56,7 @@ class GrammarCheck:
         work = asyncio.ensure_future(asyncio.to_thread(compiler.compile, spec))
         try:
             await asyncio.wait_for(asyncio.shield(work), self.timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
             work.add_done_callback(_swallow)
             raise InvalidRequestError(
                 f"{spec.describe()} did not compile within {self.timeout_s:g} s; simplify it"
