@@ -211,6 +211,20 @@ class KVCacheManager:
             self.pool.cache_block(table[i], seq.block_hashes[i])
         self.num_cached_blocks[seq.seq_id] = num_full
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> int:
+        """Speculation's rollback: keep the blocks holding the first `num_tokens` slots; the
+        ones after, which only rejected proposals reached, are freed now (tail first). Returns
+        the table's new length. Never cuts a cached block: caching stops at the known tokens."""
+        table = self.tables[seq.seq_id]
+        keep = self.num_blocks_needed(num_tokens)
+        if len(table) > keep:
+            if self.num_cached_blocks.get(seq.seq_id, 0) > keep:
+                raise AssertionError(f"sequence {seq.seq_id}: rollback below its cached blocks")
+            dropped = table[keep:]
+            del table[keep:]
+            self.pool.free_blocks(reversed(dropped))
+        return len(table)
+
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
         """Share the blocks holding parent's first `num_tokens` tokens with child (ref count
         += 1). Writes into them are copy-on-write."""
