@@ -140,6 +140,8 @@ def check_plan(sched, plan: Plan) -> None:
         for idx in range(item.start_pos // bs, (end - 1) // bs + 1):
             if table[idx].ref_cnt != 1:
                 raise AssertionError(f"sequence {item.seq_id} writes into shared block {table[idx]} (no COW)")
+            if table[idx].block_hash is not None:
+                raise AssertionError(f"sequence {item.seq_id} writes into cached block {table[idx]} (no COW)")
     for src, dst in plan.copies:
         if sched.kv.pool.blocks[dst].ref_cnt != 1 or src == dst:
             raise AssertionError(f"copy {src}->{dst}: destination must be a fresh, exclusive block")
