@@ -66,9 +66,12 @@ class SpeculativeConfig:
 
 
 def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix of
-    `tokens` of length n_max .. n_min; [] if none occurs. Searched as bytes (C speed: a Python
-    loop over a 2k-token context cost ~0.3 ms a step); a hit must be 4-byte aligned."""
+    """k tokens that followed the most recent earlier occurrence of the longest suffix of
+    `tokens` of length n_max .. n_min; [] if none occurs. A continuation that runs into the
+    suffix itself goes on with the proposals (a loop of period d repeats: the most recent
+    occurrence of a looping suffix is d tokens back, so cutting there would propose < k).
+    Searched as bytes (C speed: a Python loop over a 2k-token context cost ~0.3 ms a step);
+    a hit must be 4-byte aligned."""
     num = len(tokens)
     if k < 1 or num < n_min + 1:
         return []
@@ -80,9 +83,17 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
         while pos > 0 and pos % 4:
             pos = data.rfind(pattern, 0, pos + len(pattern) - 1)
         if pos >= 0:
-            start = pos // 4 + n
-            return tokens[start : start + k]
+            return _continue(tokens, pos // 4 + n, k)
     return []
+
+
+def _continue(tokens: list[int], start: int, k: int) -> list[int]:
+    """tokens[start : start + k], continued periodically past the end (start < len(tokens))."""
+    out = tokens[start : start + k]
+    period = len(tokens) - start
+    while len(out) < k:
+        out.append(out[len(out) - period])
+    return out
 
 
 @dataclass(slots=True)

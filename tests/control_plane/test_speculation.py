@@ -25,7 +25,10 @@ def naive_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
         suffix = tokens[num - n :]
         for i in range(num - n - 1, -1, -1):
             if tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + k]
+                out = list(tokens)  # the continuation goes on with its own proposals
+                for j in range(i + n, i + n + k):
+                    out.append(out[j])
+                return out[num:]
     return []
 
 
@@ -35,7 +38,9 @@ def test_ngram_takes_the_longest_suffix_and_its_most_recent_occurrence():
     assert propose_ngram([9, 1, 2, 7, 1, 2, 5, 9, 1, 2], 1, 2, 3) == [7]
     assert propose_ngram([1, 2, 8, 1, 2, 6, 1, 2], 3, 2, 2) == [6, 1, 2]
     assert propose_ngram([1, 2, 3], 3, 1, 3) == []
-    assert propose_ngram([5, 5], 4, 1, 1) == [5]
+    # a loop continues past the end: period 1, then period 3
+    assert propose_ngram([5, 5], 4, 1, 1) == [5, 5, 5, 5]
+    assert propose_ngram([7, 1, 2, 3, 1, 2, 3], 5, 2, 2) == [1, 2, 3, 1, 2]
     assert propose_ngram([1, 2, 1], 0, 1, 2) == []
 
 
