@@ -295,3 +295,21 @@ def test_serve_forwards_the_speculative_flags_to_the_control_plane(tmp_path):
     config = scheduler_config_from_args(p.parse_args(control[control.index("control") :]))
     assert config.speculative == SpeculativeConfig("ngram", 5, 2, 6)
     assert scheduler_config_from_args(p.parse_args(["control"])).speculative.method == ""
+
+
+def test_pagedkv_stats_shows_the_speculation_counters():
+    from base.v1 import engine_pb2
+    from pagedkv.commands import stats_rows
+
+    off = dict(stats_rows(engine_pb2.EngineStats()))
+    assert not any(name.startswith("spec") for name in off)
+    s = engine_pb2.EngineStats(
+        spec_num_verifies=4,
+        spec_num_proposed=10,
+        spec_num_accepted=6,
+        spec_acceptance_per_position=[0.75, 0.5],
+    )
+    rows = dict(stats_rows(s))
+    assert rows["spec proposed / accepted"] == "10 / 6  (60.0%)"
+    assert rows["spec accepted per position"] == "75% 50%"
+    assert rows["spec mean accepted"] == "1.50 per verify step"
