@@ -86,6 +86,9 @@ def _pool_metrics(stats):
         "kv_evictions": ("cached blocks evicted", stats.num_evictions),
         "requests_finished": ("requests finished, any reason", stats.num_finished_requests),
         "steps": ("engine steps", stats.num_steps),
+        "spec_verifies": ("speculative verify steps", stats.spec_num_verifies),
+        "spec_proposed_tokens": ("speculative tokens proposed", stats.spec_num_proposed),
+        "spec_accepted_tokens": ("speculative tokens accepted", stats.spec_num_accepted),
     }
     for name, (doc, value) in counters.items():
         yield CounterMetricFamily(f"pagedkv_{name}", doc, value=value)

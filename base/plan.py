@@ -88,6 +88,7 @@ class NewSequence:
     # The prompt's images, in prompt order (vision-language models only); see PlanImage.
     images: list[PlanImage] = field(default_factory=list)
     feed_last_sample: ClassVar[bool] = False  # a new sequence has no sample to feed
+    num_speculative_tokens: ClassVar[int] = 0  # only a mirrored sequence speculates
 
     @property
     def num_inputs(self) -> int:
@@ -110,6 +111,11 @@ class ContinuingSequence:
     feed_last_sample: bool = False
     num_candidates: int = 0  # beam search: see NewSequence
     next_token: int | None = None  # prompt logprobs of a non-final chunk: see NewSequence
+    # Speculative decoding: the last this many of token_ids are proposals (not yet accepted
+    # tokens) to verify in this one pass; the worker samples at every input, keeps the longest
+    # run of proposals its samples agree with plus the sample after them, and rolls the rest
+    # back (positions and table entries past them): see SeqOutput and control_plane/speculation.py.
+    num_speculative_tokens: int = 0
 
     @property
     def num_inputs(self) -> int:
@@ -135,7 +141,9 @@ class Plan:
 @dataclass(slots=True)
 class SeqOutput:
     """Tokens sampled for one sequence this step: one token, or `num_samples` for a fan-out,
-    or for beam search the `num_candidates` best tokens with their logprobs, best first."""
+    or for beam search the `num_candidates` best tokens with their logprobs, best first, or for
+    a speculative verify (num_speculative_tokens = k) the a <= k accepted proposals followed by
+    the token sampled after them (a + 1 tokens, in order)."""
 
     seq_id: int
     token_ids: list[int]

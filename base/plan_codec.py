@@ -166,6 +166,8 @@ def encode_plan(plan: Plan, expected_instance_id: str = "") -> pb.Plan:
             c.num_candidates = s.num_candidates
         if s.next_token is not None:
             c.next_token = s.next_token
+        if s.num_speculative_tokens:
+            c.num_speculative_tokens = s.num_speculative_tokens
     if plan.copies:
         m.copies.extend([_PbCopy(src=a, dst=b) for a, b in plan.copies])
     if plan.finished:
@@ -216,6 +218,7 @@ def decode_plan(m: pb.Plan) -> Plan:
                 s.feed_last_sample,
                 s.num_candidates,
                 s.next_token if s.HasField("next_token") else None,
+                s.num_speculative_tokens,
             )
             for s in m.continuing
         ],

@@ -92,6 +92,9 @@ class SamplingParams:
     top_logprobs: int = 0  # alternatives per generated token, 0..20 (needs logprobs)
     prompt_logprobs: int | None = None  # None = off; k >= 0: each prompt token's logprob + top k
     structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, ...)
+    # Opt out of the server's speculative decoding (control_plane/speculation.py). The control
+    # plane reads it; it never travels in a plan.
+    disable_speculation: bool = False
 
     def for_worker(self) -> SamplingParams:
         """What travels in a plan: what the sampler reads. Stop conditions stay on the control

@@ -35,6 +35,7 @@ SUITES = [
     "sampling",
     "structured",
     "vision",
+    "speculative",
 ]
 RESULTS = Path(__file__).parent / "results"
 

@@ -76,6 +76,11 @@ GOALS = (
          "prefill of a 1024-token prompt with prompt_logprobs=5 / without (CPU)"),
     Goal("structured", "b64_schema_step_ratio", "<=", 1.10,
          "decode step, batch 64, a 20-property JSON schema on every sequence / plain (152k vocab, CPU)"),
+    Goal("speculative", "repetitive_speedup", ">=", 1.8,
+         "single-stream greedy decode tok/s, n-gram speculation / plain, answer copies the prompt (CPU)"),
+    Goal("speculative", "repetitive_acceptance", ">=", 0.6, "accepted / proposed on that workload"),
+    Goal("speculative", "non_repetitive_speedup", ">=", 0.95,
+         "the same ratio on a prompt with nothing to copy (the proposer backs off)"),
 )  # fmt: skip
 
 

@@ -56,6 +56,7 @@ def decode_sampling(m: pb.SamplingParams) -> SamplingParams:
         top_logprobs=m.top_logprobs,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         structured=decode_structured(m),
+        disable_speculation=m.disable_speculation,
     )
 
 
@@ -139,6 +140,10 @@ def encode_stats(
         num_finished_requests=s.num_finished_requests,
         num_steps=s.num_steps,
         num_evictions=s.num_evictions,
+        spec_num_verifies=s.spec_num_verifies,
+        spec_num_proposed=s.spec_num_proposed,
+        spec_num_accepted=s.spec_num_accepted,
+        spec_acceptance_per_position=s.spec_acceptance_per_position,
         worker_available=worker_available,
         num_live_requests=num_live_requests,
     )

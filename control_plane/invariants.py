@@ -55,6 +55,13 @@ def check_scheduler(sched) -> None:
             refs[block.block_id] += 1
         if len(table) * kv.block_size < seq.num_computed_tokens:
             raise AssertionError(f"sequence {seq_id}: table too short for its computed tokens")
+        if len(table) > kv.num_blocks_needed(seq.num_computed_tokens):
+            raise AssertionError(
+                f"sequence {seq_id}: {len(table)} blocks for {seq.num_computed_tokens} computed tokens "
+                "(a block no computed position reached: a rejected proposal's, not rolled back)"
+            )
+        if kv.num_cached_blocks.get(seq_id, 0) * kv.block_size > seq.num_tokens:
+            raise AssertionError(f"sequence {seq_id}: a cached block holds a token not yet accepted")
         bs = kv.block_size
         for i, block in enumerate(table):
             # Only full, computed blocks are hashed; a hash matches this sequence's content.
@@ -74,10 +81,15 @@ def check_scheduler(sched) -> None:
             raise AssertionError(f"running list holds {seq.status.name} sequence {seq.seq_id}")
         # Overlap: computed positions run at most into the pending samples (one per plan in
         # flight, plus the one being planned).
-        if not 0 <= seq.num_pending <= 8 or seq.num_computed_tokens > seq.num_tokens + seq.num_pending:
+        # A speculative verify in flight adds its proposals' positions.
+        if (
+            not 0 <= seq.num_pending <= 8
+            or seq.num_computed_tokens > seq.num_tokens + seq.num_pending + seq.spec_in_flight
+            or (seq.spec_in_flight and seq.num_pending != 1)
+        ):
             raise AssertionError(
                 f"sequence {seq.seq_id}: {seq.num_computed_tokens} computed of {seq.num_tokens} known "
-                f"+ {seq.num_pending} pending tokens"
+                f"+ {seq.num_pending} pending tokens + {seq.spec_in_flight} proposals"
             )
     for seq in sched.seqs.values():
         if (seq.status == SeqStatus.RUNNING) != (seq.seq_id in running):
@@ -128,6 +140,8 @@ def check_plan(sched, plan: Plan) -> None:
         for idx in range(item.start_pos // bs, (end - 1) // bs + 1):
             if table[idx].ref_cnt != 1:
                 raise AssertionError(f"sequence {item.seq_id} writes into shared block {table[idx]} (no COW)")
+            if table[idx].block_hash is not None:
+                raise AssertionError(f"sequence {item.seq_id} writes into cached block {table[idx]} (no COW)")
     for src, dst in plan.copies:
         if sched.kv.pool.blocks[dst].ref_cnt != 1 or src == dst:
             raise AssertionError(f"copy {src}->{dst}: destination must be a fresh, exclusive block")

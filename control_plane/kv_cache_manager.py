@@ -10,7 +10,8 @@ One block table per sequence, shared by every layer (block id b is slot range
 Invariants (see control_plane.invariants):
   - sum of ref counts == number of table entries pointing at real blocks;
   - a sequence's table never contains the null block;
-  - a write into a block with ref count > 1 is preceded by a copy-on-write in the same step.
+  - a write into a block with ref count > 1, or into a cached block, is preceded by a
+    copy-on-write in the same step.
 """
 
 from __future__ import annotations
@@ -136,14 +137,14 @@ class KVCacheManager:
         end = start + num_new_tokens
         num_needed = -(-end // bs) - len(table) - (len(computed_blocks) if computed_blocks else 0)
         first_write = start // bs
-        # Fast path: a decode step inside an unshared block.
+        # Fast path: a decode step inside an unshared, uncached block.
         if (
             num_needed <= 0
             and not computed_blocks
-            and (first_write >= len(table) or table[first_write].ref_cnt == 1)
+            and (first_write >= len(table) or _writable(table[first_write]))
         ):
             return _NO_CHANGE
-        cow = [i for i in range(first_write, min(-(-end // bs), len(table))) if table[i].ref_cnt > 1]
+        cow = [i for i in range(first_write, min(-(-end // bs), len(table))) if not _writable(table[i])]
         num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0) if computed_blocks else 0
         if max(num_needed, 0) + len(cow) > self.pool.num_free_blocks - num_revived:
             return None
@@ -183,10 +184,10 @@ class KVCacheManager:
             total += max(end_block - len(table), 0)
             for i in range(start // bs, min(end_block, len(table))):
                 block = table[i]
-                if block.ref_cnt > 1:
+                if not _writable(block):
                     writers.setdefault(block.block_id, [block, 0])[1] += 1
         for block, w in writers.values():
-            total += w if w < block.ref_cnt else w - 1
+            total += w if w < block.ref_cnt or block.block_hash is not None else w - 1
         return total
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -211,6 +212,20 @@ class KVCacheManager:
             self.pool.cache_block(table[i], seq.block_hashes[i])
         self.num_cached_blocks[seq.seq_id] = num_full
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> int:
+        """Speculation's rollback: keep the blocks holding the first `num_tokens` slots; the
+        ones after, which only rejected proposals reached, are freed now (tail first). Returns
+        the table's new length. Never cuts a cached block: caching stops at the known tokens."""
+        table = self.tables[seq.seq_id]
+        keep = self.num_blocks_needed(num_tokens)
+        if len(table) > keep:
+            if self.num_cached_blocks.get(seq.seq_id, 0) > keep:
+                raise AssertionError(f"sequence {seq.seq_id}: rollback below its cached blocks")
+            dropped = table[keep:]
+            del table[keep:]
+            self.pool.free_blocks(reversed(dropped))
+        return len(table)
+
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
         """Share the blocks holding parent's first `num_tokens` tokens with child (ref count
         += 1). Writes into them are copy-on-write."""
@@ -219,7 +234,11 @@ class KVCacheManager:
         table = self.tables[parent.seq_id][: self.num_blocks_needed(num_tokens)]
         self.pool.touch(table)
         self.tables[child.seq_id] = table
-        self.num_cached_blocks[child.seq_id] = min(self.num_cached_blocks[parent.seq_id], len(table))
+        # Only blocks full within the child's tokens are its cached prefix: the parent may have
+        # filled (and cached) the last shared block with a token the child does not have.
+        self.num_cached_blocks[child.seq_id] = min(
+            self.num_cached_blocks[parent.seq_id], num_tokens // self.block_size
+        )
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so a shared prefix survives longest."""
@@ -233,3 +252,12 @@ class KVCacheManager:
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+
+def _writable(block: KVBlock) -> bool:
+    """A step may write into the block in place: nobody else holds it and it is not in the
+    prefix cache. A cached block a sequence writes into holds another sequence's content
+    (n > 1 with overlap: the parent's planned-ahead token filled the prompt's last block, which
+    was cached under the parent's tokens before the child, its last holder, wrote its own):
+    writing in place would leave a cache entry whose K/V no longer match its hash."""
+    return block.ref_cnt == 1 and block.block_hash is None

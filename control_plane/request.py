@@ -71,6 +71,12 @@ class Sequence:
     cumulative_logprob: float = 0.0
     beam_candidates: list[tuple[int, float]] | None = None
     prompt_logprobs_sent: bool = False  # SamplingParams.prompt_logprobs: on this sample's first output
+    # Speculative decoding (control_plane/speculation.py): proposals in the verify step in
+    # flight (0 = none; its positions past num_tokens are computed but not yet accepted), and
+    # the back-off after verifies that accepted nothing.
+    spec_in_flight: int = 0
+    spec_misses: int = 0
+    spec_backoff_left: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -45,6 +45,7 @@ from control_plane.scheduler_beams import SchedulerBeams, to_compute
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.scheduler_queries import SchedulerQueries
 from control_plane.scheduler_update import SchedulerUpdate
+from control_plane.speculation import Speculator
 from control_plane.stats import AllocationRate
 
 
@@ -81,6 +82,8 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         self.num_finished_requests = 0
         self._alloc_rate = AllocationRate()
         self._orphan_outputs: list[RequestOutput] = []  # produced by schedule(), returned by update()
+        # Speculative decoding needs the paged layout: rollback cuts table entries.
+        self.speculator = Speculator(config.speculative) if config.speculative.method and paged else None
 
     # -- admission ----------------------------------------------------------------------
     def add_request(
@@ -260,15 +263,27 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
                 reserve -= 1  # its pending token finishes it: nothing left to compute
                 i += 1
                 continue
+            proposals: list[int] = []
             if is_decode:
                 reserve -= 1
-                num_new = 1
+                if self.speculator is not None:
+                    found = self.speculator.decide(
+                        seq, len(running), budget - reserve - 1, self.max_model_len
+                    )
+                    if found is None:
+                        i += 1  # sits this plan out (control_plane/speculation.py)
+                        continue
+                    proposals = found
+                num_new = 1 + len(proposals)
             else:
                 num_new = self._chunk(seq, max(budget - reserve, 0))
                 if num_new == 0:
                     i += 1
                     continue
             alloc = self.kv.allocate_slots(seq, num_new)
+            if alloc is None and proposals:  # speculation never preempts: decode plainly
+                proposals, num_new = [], 1
+                alloc = self.kv.allocate_slots(seq, num_new)
             while alloc is None and len(running) - 1 > i:
                 reserve -= self._preempt_last()  # lowest priority, most recently admitted
                 preempted = True
@@ -282,7 +297,7 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
                     self._preempt(seq)
                 preempted = True
                 continue
-            self._emit(plan, seq, num_new, alloc)
+            self._emit(plan, seq, num_new, alloc, proposals)
             budget -= num_new
             i += 1
         return budget, preempted
@@ -349,12 +364,21 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         it forked (found by the CI soak)."""
         return sum(_seats(s) for s in self.running)
 
-    def _emit(self, plan: Plan, seq: Sequence, num_new: int, alloc: Allocation) -> None:
+    def _emit(
+        self, plan: Plan, seq: Sequence, num_new: int, alloc: Allocation, proposals: list[int] = ()
+    ) -> None:
+        """`proposals`: a speculative verify's (its inputs: the newest known token, then them)."""
         start = seq.num_computed_tokens
         feed = start >= seq.num_tokens  # its input is the newest pending sample (overlap)
-        tokens = [] if feed else seq.token_ids[start : start + num_new]
+        num_spec = len(proposals)
+        tokens = [] if feed else seq.token_ids[start : start + num_new - num_spec]
+        if num_spec:
+            if feed or not seq.synced:
+                raise AssertionError(f"sequence {seq.seq_id}: speculating without its input token known")
+            tokens.extend(proposals)
+            seq.spec_in_flight = num_spec
         seq.num_computed_tokens = start + num_new
-        sample = seq.num_computed_tokens == seq.num_tokens + seq.num_pending
+        sample = num_spec > 0 or seq.num_computed_tokens == seq.num_tokens + seq.num_pending
         if sample:
             seq.num_pending += 1
         table = self.kv.tables[seq.seq_id]
@@ -401,6 +425,7 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
                     feed,
                     candidates,
                     _next_prompt_token(seq, start + len(tokens)),
+                    num_spec,
                 )  # fmt: skip
             )
         seq.num_synced_blocks = len(table)

@@ -249,7 +249,10 @@ class SchedulerBeams:
 
 def to_compute(seq: Sequence) -> int:
     """Tokens (known or pending) whose K/V are not computed yet: 1 for a decode. 0 for a beam
-    waiting for its group's selection (candidates in flight or held)."""
+    waiting for its group's selection (candidates in flight or held) and for a sequence whose
+    speculative verify is in flight."""
     if seq.beam_candidates is not None or (seq.num_pending and seq.request.beam is not None):
         return 0
+    if seq.spec_in_flight:
+        return 0  # how many of its positions survive is unknown until the verify's result
     return seq.num_tokens + seq.num_pending - seq.num_computed_tokens

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from control_plane.speculation import SpeculativeConfig
 
 POLICIES = ("throughput", "latency")
 
@@ -21,6 +23,7 @@ class SchedulerConfig:
     max_queue: int = 1024  # waiting requests; beyond it admission is RESOURCE_EXHAUSTED
     max_n: int = 16
     long_prefill_token_threshold: int = 0  # cap one sequence's chunk per step (0 = budget)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # method "" = off
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -30,3 +33,4 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        self.speculative.validate()

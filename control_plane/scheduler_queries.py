@@ -3,6 +3,7 @@ GetStats, and what happens to every sequence when the worker is lost."""
 
 from __future__ import annotations
 
+from control_plane.speculation import SpeculationStats
 from control_plane.stats import SequenceTable, StatsSnapshot, ref_count_histogram
 
 
@@ -37,6 +38,7 @@ class SchedulerQueries:
             for sid, t in self.kv.tables.items()
         )
         queries = self.kv.prefix_queries
+        spec = self.speculator.stats if self.speculator is not None else SpeculationStats()
         return StatsSnapshot(
             num_blocks_total=pool.num_blocks - 1,
             num_blocks_free=pool.num_free_blocks,
@@ -56,6 +58,10 @@ class SchedulerQueries:
             num_finished_requests=self.num_finished_requests,
             num_steps=self.num_steps,
             num_evictions=pool.num_evictions,
+            spec_num_verifies=spec.num_verifies,
+            spec_num_proposed=spec.num_proposed,
+            spec_num_accepted=spec.num_accepted,
+            spec_acceptance_per_position=spec.acceptance_per_position(),
         )
 
     def on_worker_lost(self) -> None:
@@ -68,6 +74,7 @@ class SchedulerQueries:
         self.pending_finished.clear()
         for seq in self.seqs.values():
             seq.num_pending = 0  # samples of the lost steps never arrive; recompute redraws them
+            seq.spec_in_flight = 0  # (nor do verifies)
         for req in self.requests.values():
             req.fan_out_planned = req.forked  # a fan-out lost with its step is planned again
         if not self.kv.pool.reset_prefix_cache():

@@ -52,6 +52,9 @@ class SchedulerUpdate:
             if seq is None or seq.status == SeqStatus.FINISHED:
                 continue  # aborted, or stopped by an earlier step's token (overlap): dropped
             seq.num_pending -= 1
+            if seq.spec_in_flight:
+                any_finished = self._apply_verified(seq, out, outputs) or any_finished
+                continue
             if seq.request.beam is not None:
                 if seq.status == SeqStatus.RUNNING:  # (a preempted beam asks again)
                     seq.beam_candidates = list(zip(out.token_ids, out.logprobs or (), strict=True))
@@ -77,6 +80,36 @@ class SchedulerUpdate:
         if any_finished:
             self.running = [s for s in self.running if s.status == SeqStatus.RUNNING]
         return outputs
+
+    def _apply_verified(self, seq: Sequence, out, outputs: list[RequestOutput]) -> bool:
+        """A speculative verify's result: its accepted proposals and the token after them
+        (control_plane/speculation.py). Appended in order up to a stop (the rest are dropped,
+        never streamed or counted); then the rejected positions are rolled back: computed
+        tokens = the step's first position + tokens returned, and blocks past them go back
+        to the pool now (the worker cut its mirror by the same rule). True if it finished."""
+        num_spec, seq.spec_in_flight = seq.spec_in_flight, 0
+        start = seq.num_tokens - 1  # the step's first input: the newest token known then
+        tokens = out.token_ids
+        if not 1 <= len(tokens) <= num_spec + 1:
+            raise AssertionError(f"sequence {seq.seq_id}: verify of {num_spec} returned {len(tokens)} tokens")
+        self.speculator.record(seq, num_spec, len(tokens) - 1)
+        finished = False
+        kept = 0
+        for token in tokens:
+            kept += 1
+            if self._append(seq, token):
+                finished = True
+                break
+        if seq.status == SeqStatus.RUNNING:  # (preempted meanwhile: it holds no blocks)
+            seq.num_computed_tokens = start + len(tokens)
+            seq.num_synced_blocks = min(seq.num_synced_blocks, self.kv.truncate(seq, seq.num_computed_tokens))
+        tops = _split_tops(out, len(tokens))
+        outputs.append(
+            self._output(
+                seq, tokens[:kept], out.logprobs[:kept] if out.logprobs else None, tops and tops[:kept]
+            )
+        )
+        return finished
 
     def _record_prompt_logprobs(self, entry) -> None:
         """Prompt logprobs of one chunk; positions already recorded (a preempted sequence

@@ -165,12 +165,32 @@ class SimWorker:
                 toks, logprobs = sim_candidates(context, s.num_candidates, vocab)
                 outputs.append(SeqOutput(s.seq_id, toks, logprobs))
                 continue
+            if s.num_speculative_tokens:
+                toks = self._verify(s, base)
+                self.last_sample[s.seq_id] = toks[-1]
+                outputs.append(SeqOutput(s.seq_id, toks, None))
+                continue
             toks = [sim_next_token(context, base + i, vocab) for i in range(s.num_samples)]
             self.last_sample[s.seq_id] = toks[0]
             outputs.append(SeqOutput(s.seq_id, toks, None))
         # Like the real worker: the "forward" is timed only when something was scheduled.
         elapsed = time.perf_counter() - started if items else 0.0
         return StepResult(plan.step_id, outputs, forward_seconds=elapsed)
+
+    def _verify(self, s, sample_index: int) -> list[int]:
+        """A speculative verify, greedy (base/plan.py): the next token after each input, read
+        back through the table; proposals kept while they agree, the rest rolled back."""
+        proposals = s.token_ids[-s.num_speculative_tokens :]
+        vocab = self._info.vocab_size
+        toks = []
+        for i in range(len(proposals) + 1):
+            context = self._read(s.seq_id, s.start_pos + 1 + i) if self.verify else s.token_ids[: 1 + i]
+            toks.append(sim_next_token(context, sample_index, vocab))
+            if i == len(proposals) or toks[i] != proposals[i]:
+                break
+        keep = -(-(s.start_pos + len(toks)) // self.block_size)
+        del self.tables[s.seq_id][keep:]
+        return toks
 
     def _inputs(self, s) -> list[int]:
         """The step's input tokens; a fed sample is consumed, as every step consumes the last one."""

@@ -37,6 +37,20 @@ class StatsSnapshot:
     num_finished_requests: int = 0
     num_steps: int = 0
     num_evictions: int = 0
+    # Speculative decoding (control_plane/speculation.py SpeculationStats): counters since start.
+    spec_num_verifies: int = 0
+    spec_num_proposed: int = 0
+    spec_num_accepted: int = 0
+    spec_acceptance_per_position: list[float] = field(default_factory=list)  # position i: rate
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted / self.spec_num_proposed if self.spec_num_proposed else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Accepted proposals per verify step (tokens per step is this + 1)."""
+        return self.spec_num_accepted / self.spec_num_verifies if self.spec_num_verifies else 0.0
 
 
 class AllocationRate:

@@ -28,6 +28,7 @@ from pagedkv.cli_flags import (  # argparse value types and flag groups, shared 
     add_lifecycle_flags,
     add_logging_flags,
     add_shutdown_grace_flag,
+    add_speculative_flags,
     block_size_arg,
     int_in,
     non_negative_int,
@@ -141,6 +142,7 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy", choices=("throughput", "latency"), default="throughput", help="scheduling policy"
     )
+    add_speculative_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

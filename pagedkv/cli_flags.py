@@ -171,6 +171,25 @@ CONTROL_LIMIT_FLAGS = (
 )
 
 
+# Speculative decoding (control_plane/speculation.py): scheduler flags, forwarded by `serve`.
+SPECULATIVE_FLAGS = ("speculative", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        choices=("ngram",),
+        default=None,
+        help="speculative decoding: ngram = propose what followed the context's last n tokens earlier "
+        "in prompt + output, verify them in one step (greedy requests; off by default)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens", type=positive_int, default=3, help="proposals verified per step at most"
+    )
+    p.add_argument("--prompt-lookup-min", type=positive_int, default=2, help="shortest n-gram matched")
+    p.add_argument("--prompt-lookup-max", type=positive_int, default=4, help="longest n-gram matched")
+
+
 def add_control_limits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=positive_int, default=1024, help="waiting requests allowed")
     p.add_argument("--max-n", type=positive_int, default=16, help="largest n (parallel samples) accepted")

@@ -231,6 +231,20 @@ def stats_rows(s: engine_pb2.EngineStats) -> list[tuple[str, object]]:
         ("preemptions / evictions", f"{s.num_preemptions} / {s.num_evictions}"),
         ("blocks allocated", f"{s.blocks_allocated_total}  ({s.blocks_allocated_per_s:.1f}/s)"),
         ("steps", s.num_steps),
+        *_speculation_rows(s),
+    ]
+
+
+def _speculation_rows(s) -> list[tuple[str, object]]:
+    """Speculative decoding's counters, when the server verified anything."""
+    if not s.spec_num_verifies:
+        return []
+    rate = s.spec_num_accepted / s.spec_num_proposed if s.spec_num_proposed else 0.0
+    per_position = " ".join(f"{r:.0%}" for r in s.spec_acceptance_per_position) or "-"
+    return [
+        ("spec proposed / accepted", f"{s.spec_num_proposed} / {s.spec_num_accepted}  ({rate:.1%})"),
+        ("spec accepted per position", per_position),
+        ("spec mean accepted", f"{s.spec_num_accepted / s.spec_num_verifies:.2f} per verify step"),
     ]
 
 

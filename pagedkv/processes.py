@@ -136,6 +136,7 @@ def run_worker(args) -> int:
 # -- control plane -------------------------------------------------------------------------
 def scheduler_config_from_args(args):
     from control_plane.scheduler_config import SchedulerConfig
+    from control_plane.speculation import SpeculativeConfig
 
     config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
@@ -145,6 +146,12 @@ def scheduler_config_from_args(args):
         policy=args.policy,
         max_queue=args.max_queue,
         max_n=args.max_n,
+        speculative=SpeculativeConfig(
+            method=args.speculative or "",
+            num_speculative_tokens=args.num_speculative_tokens,
+            prompt_lookup_min=args.prompt_lookup_min,
+            prompt_lookup_max=args.prompt_lookup_max,
+        ),
     )
     config.validate()
     return config

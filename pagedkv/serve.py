@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedkv.cli_flags import CONTROL_LIMIT_FLAGS, own_tls_server_name
+from pagedkv.cli_flags import CONTROL_LIMIT_FLAGS, SPECULATIVE_FLAGS, own_tls_server_name
 from pagedkv.supervisor import Backoff, Supervisor, describe_exit
 
 START_TIMEOUT_S = 600.0  # first start may build the default model's weights
@@ -80,6 +80,7 @@ def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
             "policy",
             "max_model_len",
             *CONTROL_LIMIT_FLAGS,
+            *SPECULATIVE_FLAGS,
             "shutdown_grace",
         ],
     )

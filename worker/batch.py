@@ -40,6 +40,9 @@ class ScheduledSequence:
     # Rotary minus KV position of this step's tokens when they are all text past a vision
     # model's images (decode): the rotary position a decode graph feeds is start_pos + this.
     rope_shift: int = 0
+    # Logit rows wanted when `sample` is set: the last this many tokens' (a speculative verify
+    # samples at each of its 1 + k inputs; everything else at its last token only).
+    num_logit_rows: int = 1
 
     @property
     def seq_len(self) -> int:
@@ -69,7 +72,9 @@ class ModelInputs:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     attention: AttentionMetadata
-    logits_indices: torch.Tensor  # int64 [number of sampling sequences]: last token of each
+    # int64 [sampling rows]: the last token of each sampling sequence (the last 1 + k of a
+    # speculative verify), in batch order
+    logits_indices: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +104,11 @@ def build_model_inputs(
     slot_mapping = np.concatenate([_slots(s, block_size) for s in seqs])
     block_tables = _padded_block_tables(seqs, seq_lens, block_size, block_table_width)
     logits_indices = query_start_loc[1:][[s.sample for s in seqs]] - 1
+    if any(s.num_logit_rows > 1 for s in seqs):
+        ends = query_start_loc[1:]
+        logits_indices = np.concatenate(
+            [np.arange(end - s.num_logit_rows, end) for s, end in zip(seqs, ends, strict=True) if s.sample]
+        )
 
     def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(array).to(device=device, dtype=dtype)

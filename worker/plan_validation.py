@@ -141,6 +141,8 @@ class _PlanChecker:
         else:
             self.tokens(seq.seq_id, seq.token_ids, seq.start_pos)
         self.samples(seq)
+        if seq.num_speculative_tokens:
+            self.speculative(seq, mirror)
         if seq.start_pos > mirror.num_computed_tokens:
             raise self.fail(
                 f"start_pos {seq.start_pos} skips positions: only {mirror.num_computed_tokens} tokens "
@@ -161,6 +163,28 @@ class _PlanChecker:
         table = _TableAfterDelta(mirror.block_ids, dict(seq.replaced), seq.new_block_ids)
         self.table_capacity(seq.seq_id, len(table), seq.start_pos + seq.num_inputs)
         return table
+
+    def speculative(self, seq: ContinuingSequence, mirror: SequenceMirror) -> None:
+        """A verify step: proposals after >= 1 real input, one greedy sample per input, and
+        nothing whose state would have to be rolled back besides positions and table entries."""
+        k = seq.num_speculative_tokens
+        if k >= len(seq.token_ids) or seq.feed_last_sample:
+            raise self.fail(
+                f"num_speculative_tokens {k} needs that many proposals after >= 1 known token in "
+                f"token_ids ({len(seq.token_ids)} sent) and no feed_last_sample",
+                seq.seq_id,
+            )
+        if not seq.sample or seq.num_samples != 1 or seq.num_candidates or seq.next_token is not None:
+            raise self.fail(
+                "a speculative verify samples once per input: sample set, num_samples 1", seq.seq_id
+            )
+        sampling = mirror.sampling
+        if self.limits.contiguous or sampling.has_penalties:
+            raise self.fail("speculative verify needs the paged layout and no penalties", seq.seq_id)
+        if sampling.structured is not None:
+            raise self.fail(
+                "speculative verify cannot run with a grammar (its matcher has no rollback)", seq.seq_id
+            )
 
     def fed_sample(self, seq: ContinuingSequence, mirror: SequenceMirror) -> None:
         if seq.token_ids:

@@ -98,6 +98,17 @@ class SequenceMirrors:
         mirror.num_computed_tokens = seq.start_pos + seq.num_inputs
         return mirror
 
+    def roll_back(self, seq_id: int, num_computed_tokens: int, block_size: int) -> None:
+        """A speculative verify kept `num_computed_tokens` positions: table entries past the
+        blocks holding them are dropped (the control plane frees those blocks by the same rule
+        when it applies the result; base/plan.py ContinuingSequence.num_speculative_tokens)."""
+        mirror = self._seqs[seq_id]
+        mirror.num_computed_tokens = num_computed_tokens
+        keep = -(-num_computed_tokens // block_size)
+        for block_id in mirror.block_ids[keep:]:
+            self._unref(block_id)
+        del mirror.block_ids[keep:]
+
     def drop(self, seq_id: int) -> None:
         for block_id in self._seqs.pop(seq_id).block_ids:
             self._unref(block_id)

@@ -9,7 +9,7 @@ sampling row then sees every token of its context, including the one computed th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from base.plan import Plan
 from worker.batch import ScheduledSequence
@@ -21,10 +21,11 @@ from worker.sequence_mirror import SequenceMirror, SequenceMirrors
 @dataclass(slots=True)
 class StepWork:
     scheduled: list[ScheduledSequence]
-    rows: list[SamplingRow]  # one per sampling sequence, in scheduled order
-    sampled_ids: list[int]  # their seq ids
+    rows: list[SamplingRow]  # one per sampling sequence (1 + k for a verify), in scheduled order
+    sampled_ids: list[int]  # their seq ids (a verify's repeated once per row)
     prompt: list[PromptRows]  # flat rows are indices into the step's concatenated tokens
     mirrors: list[SequenceMirror]  # aligned with `scheduled` (vision models read their images)
+    proposals: dict[int, list[int]] = field(default_factory=dict)  # speculative verifies: seq id -> p1..pk
 
 
 def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache, grammars=None) -> StepWork:
@@ -34,7 +35,8 @@ def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache, grammars=None) ->
     for seq_id in plan.finished:
         mirrors.drop(seq_id)
         kv_cache.release(seq_id)
-    steps = []  # (scheduled, sampling row, seq id, mirror, next_token)
+    steps = []  # (scheduled, sampling rows, seq id, mirror, next_token)
+    proposals = {}
     for seq in plan.new:
         mirror = mirrors.register(seq)
         kv_cache.register(seq.seq_id)
@@ -47,10 +49,13 @@ def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache, grammars=None) ->
         # seen yet. Any step consumes the previous sample (fed or superseded).
         token_ids = [mirror.last_sample] if seq.feed_last_sample else seq.token_ids
         mirror.last_sample = None
+        if seq.num_speculative_tokens:
+            proposals[seq.seq_id] = seq.token_ids[-seq.num_speculative_tokens :]
         steps.append(_entry(kv_cache, mirror, seq, token_ids, grammars))
     steps.sort(key=lambda step: len(step[0].token_ids) != 1)  # stable: decodes first
-    work = StepWork([s[0] for s in steps], [s[1] for s in steps if s[1]], [s[2] for s in steps if s[1]], [],
-                    [s[3] for s in steps])  # fmt: skip
+    work = StepWork([s[0] for s in steps], [r for s in steps for r in s[1]],
+                    [s[2] for s in steps for _ in s[1]], [], [s[3] for s in steps],
+                    proposals)  # fmt: skip
     first_row = 0
     for scheduled, _, seq_id, mirror, next_token in steps:
         k = mirror.sampling.prompt_logprobs
@@ -70,16 +75,27 @@ def _entry(kv_cache, mirror: SequenceMirror, seq, token_ids: list[int], grammars
         mirror.counts.add(token_ids, seq.start_pos)
     if mirror.grammar is not None:
         grammars.advance(mirror, token_ids, seq.start_pos)
-    row = None
+    rows = []
     if seq.sample:
-        position = seq.start_pos + len(token_ids)
-        # A chunked prompt's last chunk carries the n > 1 fan-out on its continuing entry.
-        row = SamplingRow(mirror.sampling, mirror.sample_index, position, seq.num_samples, seq.num_candidates,
-                          mirror.counts, max(0, position - mirror.prompt_len), mirror.grammar)  # fmt: skip
+        # A speculative verify samples after each of its 1 + k inputs (positions of the tokens
+        # drawn); everything else after its last input.
+        num_rows = 1 + seq.num_speculative_tokens
+        for position in range(
+            seq.start_pos + len(token_ids) + 1 - num_rows, seq.start_pos + len(token_ids) + 1
+        ):
+            # A chunked prompt's last chunk carries the n > 1 fan-out on its continuing entry.
+            rows.append(SamplingRow(mirror.sampling, mirror.sample_index, position, seq.num_samples,
+                                    seq.num_candidates, mirror.counts, max(0, position - mirror.prompt_len),
+                                    mirror.grammar))  # fmt: skip
     table = kv_cache.physical_table(seq.seq_id, mirror.block_ids)
     images = mirror.images  # worker.vision.images.SequenceImages: decode tokens rotate by its shift
     shift = images.shift if images is not None and seq.start_pos >= images.spans[-1].end else 0
     scheduled = ScheduledSequence(
-        table=table, token_ids=token_ids, start_pos=seq.start_pos, sample=seq.sample, rope_shift=shift
+        table=table,
+        token_ids=token_ids,
+        start_pos=seq.start_pos,
+        sample=seq.sample,
+        rope_shift=shift,
+        num_logit_rows=1 + seq.num_speculative_tokens,
     )
-    return scheduled, row, seq.seq_id, mirror, seq.next_token
+    return scheduled, rows, seq.seq_id, mirror, seq.next_token

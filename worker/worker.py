@@ -41,6 +41,7 @@ from worker.plan_validation import PlanLimits, validate_plan
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
 from worker.sampler import Sampler
 from worker.sequence_mirror import SequenceMirrors
+from worker.speculative_verify import sequence_outputs
 from worker.step_work import apply_plan
 from worker.vision.images import VisionRuntime, check_plan_images
 from worker.vision.vl_model import VisionLanguageLM
@@ -123,8 +124,9 @@ class Worker:
         return result
 
     def execute_with_logits(self, plan: Plan) -> tuple[StepResult, Tensor]:
-        """`execute`, also returning the fp32 logits [outputs, vocab] the tokens were sampled
-        from (row i belongs to result.outputs[i]); for tests and backend comparisons."""
+        """`execute`, also returning the fp32 logits [sampling rows, vocab] the tokens were
+        sampled from (row i belongs to result.outputs[i] unless the plan has a speculative
+        verify, which has 1 + k rows); for tests and backend comparisons."""
         validate_plan(plan, self.mirrors, self.limits, self.kv_cache.num_free_rows)
         check_plan_images(plan, self.model_config.multimodal)
         self.grammars.prepare(plan)
@@ -146,9 +148,14 @@ class Worker:
             samples = self.sampler.sample(logits, work.rows, bitmask)
         mirrors = self.mirrors
         outputs = []
-        for seq_id, sample, row in zip(work.sampled_ids, samples, work.rows, strict=True):
+        for seq_id, sample, row, kept in sequence_outputs(
+            work.sampled_ids, work.rows, samples, work.proposals
+        ):
+            if kept is not None:  # a speculative verify: positions past the kept tokens roll back
+                mirrors.roll_back(seq_id, kept, self.limits.block_size)
             mirror = mirrors[seq_id]
-            mirror.last_sample = sample.token_ids[0]  # what a feed_last_sample reads
+            # What a feed_last_sample reads: a fan-out's first sample, a verify's last token.
+            mirror.last_sample = sample.token_ids[0 if kept is None else -1]
             if row.grammar is not None:  # advanced now, so the next plan's mask never waits
                 self.grammars.accept(mirror, sample.token_ids[0], row.position)
             outputs.append(

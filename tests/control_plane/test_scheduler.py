@@ -289,3 +289,21 @@ def test_unforked_samples_are_reserved_so_max_num_seqs_holds():
         peak = max(peak, len(engine.scheduler.running))
     assert peak == 8  # full, never over
     check_all_free(engine.scheduler)
+
+
+def test_a_child_never_writes_into_the_parents_cached_block():
+    """n > 1 with overlap: the parent's planned-ahead token fills the prompt's last block, which
+    is cached under the parent's tokens; the child sharing it, once its last holder, wrote its
+    own token there in place, leaving a cache entry whose K/V no longer matched its hash (found
+    by the speculation property test; the invariants caught it). Writes into cached blocks now
+    copy first, and a child's cached prefix stops at the blocks full within its own tokens."""
+    engine, _ = make_engine(
+        num_blocks=25, block_size=2, vocab=4, max_model_len=48, max_num_batched_tokens=4, max_num_seqs=8
+    )
+    engine.plans_in_flight = 2
+    engine.add_request("r0", [0, 0], SamplingParams(max_tokens=3, n=3))
+    engine.add_request("r1", [0], SamplingParams(max_tokens=2, n=3))
+    tokens = engine.run_to_completion()  # check_invariants: no write into a cached block
+    for rid, prompt, max_tokens in (("r0", [0, 0], 3), ("r1", [0], 2)):
+        for i in range(3):
+            assert tokens[(rid, i)] == reference_tokens(prompt, i, max_tokens, 4)

@@ -90,6 +90,7 @@ cont_seq = st.builds(
     st.booleans(),
     u32,
     next_token=st.none() | u32,
+    num_speculative_tokens=u32,
 )
 
 

@@ -6,19 +6,21 @@ hits), max_tokens 1..12, n 1..3, seeded temperature-1.0 sampling or greedy or be
 whole), ignore_eos,
 stop token ids (the scheduler's stops) and engine-side stops (ended by `finish_sample` after
 the step's outputs were handed out, as stop strings are), requests added and aborted between
-steps -- run five times with the same scheduler settings (block size, prefix caching, small
+steps -- run seven times with the same scheduler settings (block size, prefix caching, small
 token budget for chunked prefill, ...): on a tight pool (just enough blocks for the
 workload's longest sequence plus 0..4) and on an ample pool where nothing is preempted, with
 the strict loop and with overlap scheduling (EngineCore(plans_in_flight=2 or 3): that many plans run
-before the oldest result is applied, so stops are found one or two steps late). Properties:
+before the oldest result is applied, so stops are found one or two steps late), and with n-gram
+speculative decoding (ample pool strict, tight pool 2 in flight: greedy samples verify proposals
+and roll rejected slots back). Properties:
 
   - every plan the scheduler makes is accepted by the worker (a PlanError fails the test)
     and the scheduler's invariants hold at every step (check_invariants=True);
   - a sample that was never aborted ends with STOP right after its first stop token, else
     with LENGTH and exactly max_tokens tokens; no output follows a sample's finish; the
     usage on the finishing output counts exactly the tokens handed out;
-  - seeded / greedy tokens are independent of batch composition, preemption and overlap
-    (worker/sampler.py), so every (request, index) gets the same tokens in all five runs; an
+  - seeded / greedy tokens are independent of batch composition, preemption, overlap and
+    speculation (worker/sampler.py), so every (request, index) gets the same tokens in all seven runs; an
     abort lands at the same logical moment (after the same ops) in every run but may catch
     a request at a different point of its progress, so the shorter token list must then be
     a prefix of the longer;
@@ -39,6 +41,7 @@ from control_plane.engine import EngineCore
 from control_plane.invariants import check_all_free
 from control_plane.request import FinishReason
 from control_plane.scheduler_config import SchedulerConfig
+from control_plane.speculation import SpeculativeConfig
 from tests.worker.worker_test_utils import VOCAB, make_worker
 
 CHECKPOINT = "qwen3-head-dim-tied"
@@ -46,6 +49,11 @@ MAX_MODEL_LEN = 32
 STEM_LEN = 16
 MAX_TAIL = 4  # prompt <= STEM_LEN + MAX_TAIL = 20 tokens, + max_tokens <= 12: fits MAX_MODEL_LEN
 ALPHABET = 4
+# Prompts over 4 tokens repeat: the lookup proposes often, and a tiny model's greedy output
+# sometimes copies them (accepted) and sometimes not (rolled back).
+SPECULATIVE = SpeculativeConfig(
+    "ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, max_batch_size=8
+)
 
 
 @dataclass(frozen=True)
@@ -181,10 +189,16 @@ class RunResult:
     num_preemptions: int
 
 
-def run_workload(path, wl: Workload, num_blocks: int, in_flight: int, max_steps: int = 2000) -> RunResult:
-    """`in_flight`: plans executed before the oldest result is applied (1 = the strict loop)."""
+def run_workload(
+    path, wl: Workload, num_blocks: int, in_flight: int, max_steps: int = 2000, spec: bool = False
+) -> RunResult:
+    """`in_flight`: plans executed before the oldest result is applied (1 = the strict loop);
+    `spec`: n-gram speculative decoding on (greedy samples verify proposals)."""
     worker = make_worker(path, block_size=wl.block_size, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN)
-    engine = EngineCore(worker, wl.config(), check_invariants=True, plans_in_flight=in_flight)
+    config = wl.config()
+    if spec:
+        config.speculative = SPECULATIVE
+    engine = EngineCore(worker, config, check_invariants=True, plans_in_flight=in_flight)
     sched = engine.scheduler
     tokens: dict[tuple[str, int], list[int]] = {}
     reasons: dict[tuple[str, int], FinishReason] = {}
@@ -247,13 +261,17 @@ def run_workload(path, wl: Workload, num_blocks: int, in_flight: int, max_steps:
 def check_workload(path, wl: Workload) -> dict[str, RunResult]:
     tight, ample = wl.tight_num_blocks(), wl.ample_num_blocks()
     runs = {
-        f"{pool}+{in_flight}": run_workload(path, wl, num_blocks, in_flight)
-        for pool, num_blocks, in_flight in (
-            ("ample", ample, 1),
-            ("ample", ample, 2),
-            ("tight", tight, 1),
-            ("tight", tight, 2),
-            ("tight", tight, 3),
+        f"{pool}+{in_flight}{'+spec' if spec else ''}": run_workload(
+            path, wl, num_blocks, in_flight, spec=spec
+        )
+        for pool, num_blocks, in_flight, spec in (
+            ("ample", ample, 1, False),
+            ("ample", ample, 2, False),
+            ("tight", tight, 1, False),
+            ("tight", tight, 2, False),
+            ("tight", tight, 3, False),
+            ("ample", ample, 1, True),
+            ("tight", tight, 2, True),
         )
     }
     assert runs["ample+1"].num_preemptions == runs["ample+2"].num_preemptions == 0
