@@ -60,7 +60,7 @@ def run_attention(ops, query, k_cache, v_cache, tables, seq_lens, qsl, scale):
     heads, dim = query.shape[1], query.shape[2]
     status = ops.paged_attention(
         out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), dtype_code(k_cache.dtype),
-        tables.data_ptr(),
+        None, None, 0.0, 0.0, tables.data_ptr(),
         tables.shape[1], seq_lens.data_ptr(), qsl.data_ptr(), len(seq_lens), heads, k_cache.shape[2],
         dim, k_cache.shape[1], scale, THREADS,
     )  # fmt: skip
@@ -131,7 +131,7 @@ def test_qkv_rope_store_matches_reference(ops, qk_norm, kv_dtype):
     ops.qkv_rope_store(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), *norms, q_out.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), dtype_code(kv_dtype), tokens, heads, kv_heads, dim, eps,
-        THREADS,
+        None, None, 0.0, 0.0, THREADS,
     )  # fmt: skip
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
     q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)

@@ -15,7 +15,7 @@ The ops are device-agnostic torch, so they also run (slowly) on a CUDA tensor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -81,7 +81,10 @@ class CpuAttentionBackend:
         max_seq_len: int,
         num_decode_seqs: int = 0,  # launch hints of the CUDA backend: no use here
         host_seq_lens: Sequence[int] | None = None,
+        kv_decode: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
     ) -> Tensor:
+        """kv_decode(slots, key_codes, value_codes) -> fp32 (keys, values): a quantized pool's
+        gathered context dequantized (worker.kv_cache; the oracle may copy, the kernels do not)."""
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         # One gather per pool for the whole batch (not one per sequence): the slot of every
         # context token, sequence after sequence, so each sequence's K/V is a slice of it.
@@ -92,6 +95,8 @@ class CpuAttentionBackend:
         slots = slots.view(len(seq_lens), -1)[in_context]
         keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
         values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+        if kv_decode is not None:
+            keys, values = kv_decode(slots, keys, values)
         output = torch.empty_like(query)
         starts = query_start_loc.tolist()
         context_begin = 0
