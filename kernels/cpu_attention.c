@@ -159,7 +159,7 @@ static inline int64_t fill_rows(int64_t *rows, const int32_t *table, int64_t *bl
  * so the arithmetic is the same whatever the block size. */
 static ALWAYS_INLINE void attend_impl(
     float *RESTRICT out, const float *RESTRICT q, const void *RESTRICT k_cache, const void *RESTRICT v_cache,
-    const int32_t *RESTRICT table, int64_t num_keys, int64_t heads, int64_t kv_heads, int64_t dim,
+    const int32_t *RESTRICT table, int64_t first_key, int64_t num_keys, int64_t heads, int64_t kv_heads, int64_t dim,
     int64_t block_size, float scale, const KvScales *RESTRICT qs, int dtype) {
     float acc[MAX_HEADS_X_DIM];
     float max_score[MAX_HEADS_X_DIM / 32], denom[MAX_HEADS_X_DIM / 32];
@@ -172,9 +172,9 @@ static ALWAYS_INLINE void attend_impl(
     const int vectors = dim % 16 == 0 && dim <= MAX_VEC_DIM; /* every common head_dim */
     memset(acc, 0, (size_t)(heads * dim) * sizeof(float));
     for (int64_t h = 0; h < heads; ++h) max_score[h] = -INFINITY, denom[h] = 0.f;
-    int64_t block = 0, offset = 0, next_rows[KEY_CHUNK];
-    int64_t n_next = fill_rows(next_rows, table, &block, &offset, num_keys, block_size, row_stride);
-    for (int64_t start = 0; start < num_keys; start += KEY_CHUNK) {
+    int64_t block = first_key / block_size, offset = first_key % block_size, next_rows[KEY_CHUNK];
+    int64_t n_next = fill_rows(next_rows, table, &block, &offset, num_keys - first_key, block_size, row_stride);
+    for (int64_t start = first_key; start < num_keys; start += KEY_CHUNK) {
         const int64_t n = n_next;
         memcpy(rows, next_rows, (size_t)n * sizeof(int64_t));
         /* The heads below read each row in per-head slices, a pattern the hardware prefetcher
@@ -237,7 +237,7 @@ static ALWAYS_INLINE void attend_impl(
         }
     }
     for (int64_t h = 0; h < heads; ++h) {
-        float inv = num_keys > 0 ? 1.f / denom[h] : 0.f;
+        float inv = num_keys > first_key ? 1.f / denom[h] : 0.f;
         float *oh = out + h * dim, *ah = acc + h * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) oh[d] = ah[d] * inv;
@@ -247,9 +247,9 @@ static ALWAYS_INLINE void attend_impl(
 /* attend_impl with head_dim a compile-time constant where it is one of the common sizes, so its
  * loops become straight-line vector code. */
 static void attend_token(float *out, const float *q, const void *k_cache, const void *v_cache,
-                         const int32_t *table, int64_t num_keys, int64_t heads, int64_t kv_heads,
+                         const int32_t *table, int64_t first_key, int64_t num_keys, int64_t heads, int64_t kv_heads,
                          int64_t dim, int64_t block_size, float scale, const KvScales *qs, int dtype) {
-#define ATTEND(D, T) attend_impl(out, q, k_cache, v_cache, table, num_keys, heads, kv_heads, D, block_size, scale, qs, T)
+#define ATTEND(D, T) attend_impl(out, q, k_cache, v_cache, table, first_key, num_keys, heads, kv_heads, D, block_size, scale, qs, T)
 #define ATTEND_DIMS(T)                \
     switch (dim) {                    \
     case 64: ATTEND(64, T); break;    \
@@ -279,7 +279,8 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
                                            const void *RESTRICT v_cache, const int32_t *RESTRICT table,
                                            int64_t first_token, int64_t n_tokens, int64_t first_pos,
                                            int64_t kv_head, int64_t heads, int64_t kv_heads, int64_t dim,
-                                           int64_t block_size, float scale, const KvScales *RESTRICT qs, int dtype) {
+                                           int64_t block_size, float scale, int64_t window,
+                                           const KvScales *RESTRICT qs, int dtype) {
     const int64_t group = heads / kv_heads, rows = n_tokens * group, row_stride = kv_heads * dim;
     const int64_t dim_blocks = dim / TILE_ROWS;
     v16 qt[TILE_MAX_DIM], acc[TILE_ROWS][TILE_MAX_DIM / TILE_ROWS], s[KEY_CHUNK];
@@ -295,9 +296,11 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
         m[r] = -INFINITY, l[r] = 0.f;
         for (int64_t db = 0; db < dim_blocks; ++db) acc[r][db] = (v16){0};
     }
-    const int64_t num_keys = first_pos + n_tokens;
-    int64_t block = 0, offset = 0;
-    for (int64_t start = 0; start < num_keys; start += KEY_CHUNK) {
+    const int64_t num_keys = first_pos + n_tokens, last_pos = num_keys - 1;
+    /* a sliding window: the first row sees keys from first_pos - window + 1 on */
+    const int64_t first_key = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    int64_t block = first_key / block_size, offset = first_key % block_size;
+    for (int64_t start = first_key; start < num_keys; start += KEY_CHUNK) {
         int64_t n = num_keys - start < KEY_CHUNK ? num_keys - start : KEY_CHUNK;
         for (int64_t j = 0; j < n; ++j) {
             offs[j] = ((int64_t)table[block] * block_size + offset) * row_stride + kv_head * dim;
@@ -318,6 +321,10 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
             for (int64_t j = 0; j < n; ++j)
                 for (int64_t r = 0; r < TILE_ROWS; ++r)
                     if (start + j > row_pos[r]) s[j][r] = -INFINITY;
+        if (window > 0 && start <= last_pos - window) /* keys that later rows' windows left behind */
+            for (int64_t j = 0; j < n; ++j)
+                for (int64_t r = 0; r < TILE_ROWS; ++r)
+                    if (start + j <= row_pos[r] - window) s[j][r] = -INFINITY;
         float cm[TILE_ROWS];
         for (int64_t r = 0; r < TILE_ROWS; ++r) cm[r] = m[r];
         for (int64_t j = 0; j < n; ++j)
@@ -325,7 +332,8 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
             for (int64_t r = 0; r < TILE_ROWS; ++r) cm[r] = s[j][r] > cm[r] ? s[j][r] : cm[r];
 #pragma omp simd
         for (int64_t r = 0; r < TILE_ROWS; ++r) {
-            rescale[r] = exp_approx(m[r] - cm[r]);
+            /* rows that have seen only masked keys so far: nothing to rescale (not -inf - -inf) */
+            rescale[r] = cm[r] == -INFINITY ? 1.f : exp_approx(m[r] - cm[r]);
             l[r] *= rescale[r];
             m[r] = cm[r];
         }
@@ -363,9 +371,9 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
 static void attend_tile(float *out, const float *query, const void *k_cache, const void *v_cache,
                         const int32_t *table, int64_t first_token, int64_t n_tokens, int64_t first_pos,
                         int64_t kv_head, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                        float scale, const KvScales *qs, int dtype) {
+                        float scale, int64_t window, const KvScales *qs, int dtype) {
 #define TILE(T) attend_tile_impl(out, query, k_cache, v_cache, table, first_token, n_tokens, first_pos, \
-                                 kv_head, heads, kv_heads, dim, block_size, scale, qs, T)
+                                 kv_head, heads, kv_heads, dim, block_size, scale, window, qs, T)
     if (dtype == DT_F32) TILE(DT_F32);
     else if (dtype == DT_BF16) TILE(DT_BF16);
     else if (dtype == DT_F16) TILE(DT_F16);
@@ -383,7 +391,9 @@ typedef struct {
 /* query/out [T, H, D]; caches [blocks, block_size, KV, D]; block_tables int32 [S, width];
  * seq_lens int32 [S] (context incl. this step's tokens); query_start_loc int32 [S + 1].
  * Quantized pools: k_exps/v_exps [blocks * block_size, KV] scale bytes, k_scale/v_scale the
- * per-tensor scales (0 = none: 1); all four are ignored for other pools.
+ * per-tensor scales (0 = none: 1); all four are ignored for other pools. window > 0: a
+ * sliding-window layer, each query sees the `window` positions up to its own (keys before are
+ * never read, so their blocks may be gone).
  * Sequences with at least half a tile of query rows (prefill chunks) go through attend_tile,
  * the rest (decodes) through attend_token. Returns 0, or -1 when the geometry exceeds this
  * kernel's fixed buffers (the caller refuses such models up front). */
@@ -391,7 +401,7 @@ int paged_attention(float *out, const float *query, const void *k_cache, const v
                     const uint8_t *k_exps, const uint8_t *v_exps, float k_scale, float v_scale,
                     const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
                     const int32_t *query_start_loc, int64_t num_seqs, int64_t heads,
-                    int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int threads) {
+                    int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window, int threads) {
     if (heads * dim > MAX_HEADS_X_DIM || heads % kv_heads != 0 || heads > MAX_HEADS_X_DIM / 32) return -1;
     if (kv_is_quantized(kv_dtype) && (!k_exps || !v_exps)) return -3;
     const float unit = kv_code_unit(kv_dtype);
@@ -425,12 +435,13 @@ int paged_attention(float *out, const float *query, const void *k_cache, const v
         const int64_t q_len = query_start_loc[it.seq + 1] - query_start_loc[it.seq];
         const int64_t pos = seq_lens[it.seq] - q_len + (it.first_token - query_start_loc[it.seq]);
         const int32_t *table = block_tables + it.seq * table_width;
+        const int64_t first_key = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
         if (it.kv_head < 0)
             attend_token(out + it.first_token * heads * dim, query + it.first_token * heads * dim, k_cache,
-                         v_cache, table, pos + 1, heads, kv_heads, dim, block_size, scale, &qs, kv_dtype);
+                         v_cache, table, first_key, pos + 1, heads, kv_heads, dim, block_size, scale, &qs, kv_dtype);
         else
             attend_tile(out, query, k_cache, v_cache, table, it.first_token, it.n_tokens, pos, it.kv_head,
-                        heads, kv_heads, dim, block_size, scale, &qs, kv_dtype);
+                        heads, kv_heads, dim, block_size, scale, window, &qs, kv_dtype);
     }
     free(items);
     return 0;

@@ -33,7 +33,7 @@ int paged_attention(float *out, const float *query, const void *k_cache, const v
                     const uint8_t *k_exps, const uint8_t *v_exps, float k_scale, float v_scale,
                     const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
                     const int32_t *query_start_loc, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
-                    int64_t block_size, float scale, int threads);
+                    int64_t block_size, float scale, int64_t window, int threads);
 
 typedef struct {
     int32_t kind;        /* DT_F32 / DT_BF16 / DT_F16 panels (cpu_gemm.c), or 4 / 8: integer codes (cpu_quant.c) */
@@ -52,6 +52,7 @@ typedef struct {
     void *k_cache, *v_cache;
     uint8_t *k_exps, *v_exps; /* quantized pools: scale bytes [slots, kv_heads] (cpu_kv_quant.h); else NULL */
     float k_scale, v_scale;   /* quantized pools: the checkpoint's per-tensor scales, 0 = per (token, head) */
+    int64_t window;           /* sliding-window layer: keys within `window` positions; 0 = all */
 } PkLayer;
 
 typedef struct {
@@ -135,7 +136,7 @@ int pk_decoder(const PkModel *m, const PkStep *s, float *x, float *out, float *s
         status = paged_attention(attended, q, L->k_cache, L->v_cache, m->kv_dtype, L->k_exps, L->v_exps, L->k_scale,
                                  L->v_scale, s->block_tables, s->table_width,
                                  s->seq_lens, s->query_start_loc, s->num_seqs, m->heads, m->kv_heads, m->head_dim,
-                                 s->block_size, m->scale, threads);
+                                 s->block_size, m->scale, L->window, threads);
         if (status) return status;
         int64_t rows = T;
         if (li == m->num_layers - 1) { /* past the last attention only the sampling rows matter */

@@ -30,6 +30,7 @@ class PkLayer(ctypes.Structure):
         ("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
         ("k_cache", _P), ("v_cache", _P),
         ("k_exps", _P), ("v_exps", _P), ("k_scale", _F32), ("v_scale", _F32),
+        ("window", _I64),
     ]  # fmt: skip
 
 
@@ -89,7 +90,8 @@ class DecoderStack:
             linears = [_linear(lin) for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             norms = [_ptr(t) for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)]
             pools = [kv_cache.k_caches[i].data_ptr(), kv_cache.v_caches[i].data_ptr()]
-            self.layers[i] = PkLayer(*linears, *norms, *pools, *_scale_pools(kv_cache, i))
+            window = forward.windows[i] if forward.windows else 0
+            self.layers[i] = PkLayer(*linears, *norms, *pools, *_scale_pools(kv_cache, i), window)
         self.model = PkModel(
             len(forward.layers), forward.hidden, forward.heads, forward.kv_heads, forward.head_dim,
             forward.layers[0].gate_up.out_features // 2, kv_dtype_code(kv_cache), forward.eps,

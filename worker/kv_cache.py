@@ -89,7 +89,9 @@ class KVCache(Protocol):
     def release(self, seq_id: int) -> None: ...
     def reset(self) -> None: ...
     def write(self, layer: int, key: Tensor, value: Tensor, meta: AttentionMetadata) -> None: ...
-    def attend(self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float) -> Tensor: ...
+    def attend(
+        self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float, window: int = 0
+    ) -> Tensor: ...
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
 
 
@@ -170,7 +172,12 @@ class PagedKVCache:
             dequantize(values, v_byte, self.kv_format, self.v_scales[layer]),
         )
 
-    def attend(self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def attend(
+        self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float, window: int = 0
+    ) -> Tensor:
+        """window > 0: a sliding-window layer (only the CPU reference backend takes one: the
+        worker refuses windowed models on CUDA at start)."""
+        extra = {"window": window} if window else {}
         if self.kv_format is not None:  # only the CPU reference backend serves quantized pools
             return self.backend.paged_attention(
                 query,
@@ -183,6 +190,7 @@ class PagedKVCache:
                 meta.max_query_len,
                 meta.max_seq_len,
                 kv_decode=partial(self._decode, layer),
+                **extra,
             )
         return self.backend.paged_attention(
             query,
@@ -196,6 +204,7 @@ class PagedKVCache:
             meta.max_seq_len,
             num_decode_seqs=meta.num_decode_seqs,
             host_seq_lens=meta.host_seq_lens,
+            **extra,
         )
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -263,7 +272,9 @@ class ContiguousKVCache:
             self.k_caches[layer], self.v_caches[layer], key, value, meta.slot_mapping
         )
 
-    def attend(self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def attend(
+        self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float, window: int = 0
+    ) -> Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         output = torch.empty_like(query)
         starts = meta.query_start_loc.tolist()
@@ -273,7 +284,7 @@ class ContiguousKVCache:
             if q_end > q_begin:
                 row = rows[s]
                 output[q_begin:q_end] = attention_over_context(
-                    query[q_begin:q_end], k_cache[row, :seq_len], v_cache[row, :seq_len], scale
+                    query[q_begin:q_end], k_cache[row, :seq_len], v_cache[row, :seq_len], scale, window
                 )
         return output
 

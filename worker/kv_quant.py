@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kernels.cpu_build import KV_CODE_DTYPES
 from worker.errors import ModelLoadError, WorkerConfigError
 
 EXP_BIAS = 127
@@ -48,9 +49,9 @@ class KVFormat:
 
 
 FORMATS = {
-    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0, 9, 3),
-    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0, 16, 4),
-    "int8": KVFormat("int8", torch.int8, 127.0, 7, 5),
+    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0, 9, KV_CODE_DTYPES["fp8_e4m3"]),
+    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0, 16, KV_CODE_DTYPES["fp8_e5m2"]),
+    "int8": KVFormat("int8", torch.int8, 127.0, 7, KV_CODE_DTYPES["int8"]),
 }
 
 

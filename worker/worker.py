@@ -70,6 +70,11 @@ class Worker:
         self.max_model_len = resolve_max_model_len(
             config.max_model_len, self.model_config.max_position_embeddings
         )
+        if self.model_config.layer_windows and self.device.type != "cpu":
+            raise WorkerConfigError(
+                "sliding-window models run on the CPU worker only: the CUDA kernels attend to the "
+                "whole context"
+            )
         self.backend = get_backend(self.device)
         model_class = VisionLanguageLM if self.model_config.multimodal else CausalLM
         self.model = model_class.from_checkpoint(self.model_dir, self.model_config, self.dtype, self.device)

@@ -116,7 +116,8 @@ def test_attention_over_quantized_pools_matches_the_dequantized_reference(
     status = ops.paged_attention(
         out.data_ptr(), query.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(), fmt.code,
         k_bytes.data_ptr(), v_bytes.data_ptr(), 0.0, 0.0, tables.data_ptr(), tables.shape[1],
-        seq_lens.data_ptr(), qsl.data_ptr(), len(seq_lens), heads, kv_heads, dim, block_size, scale, THREADS,
+        seq_lens.data_ptr(), qsl.data_ptr(), len(seq_lens), heads, kv_heads, dim, block_size, scale, 0,
+        THREADS,
     )  # fmt: skip
     assert status == 0
     want = CpuAttentionBackend().paged_attention(
@@ -141,7 +142,7 @@ def test_attention_applies_the_checkpoints_tensor_scales(ops):
     status = ops.paged_attention(
         out.data_ptr(), query.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(), fmt.code,
         k_bytes.data_ptr(), v_bytes.data_ptr(), k_scale, v_scale, tables.data_ptr(), tables.shape[1],
-        seq_lens.data_ptr(), qsl.data_ptr(), 2, heads, kv_heads, dim, block_size, dim**-0.5, THREADS,
+        seq_lens.data_ptr(), qsl.data_ptr(), 2, heads, kv_heads, dim, block_size, dim**-0.5, 0, THREADS,
     )  # fmt: skip
     assert status == 0
     want = CpuAttentionBackend().paged_attention(

@@ -25,7 +25,9 @@ from worker.backends.base import AttentionBackend
 __all__ = ["AttentionBackend", "CpuAttentionBackend", "attention_over_context"]
 
 
-def attention_over_context(query: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+def attention_over_context(
+    query: Tensor, keys: Tensor, values: Tensor, scale: float, window: int = 0
+) -> Tensor:
     """Causal softmax attention of one sequence's query tokens over its whole context.
 
     query [q_len, num_heads, head_dim]; keys/values [seq_len, num_kv_heads, head_dim] hold
@@ -34,6 +36,9 @@ def attention_over_context(query: Tensor, keys: Tensor, values: Tensor, scale: f
 
     GQA without copying K/V: the `group` query heads that share a kv head are folded into
     the row dimension of one batched matmul per kv head.
+
+    window > 0 (a sliding-window layer): the query at position i sees keys j with
+    i - window < j <= i, as Hugging Face masks (transformers' sliding_window_overlay).
     """
     q_len, num_heads, head_dim = query.shape
     seq_len, num_kv_heads, _ = keys.shape
@@ -44,10 +49,13 @@ def attention_over_context(query: Tensor, keys: Tensor, values: Tensor, scale: f
     k = keys.float().permute(1, 2, 0)  # [kv_heads, head_dim, seq_len]
     v = values.float().permute(1, 0, 2)  # [kv_heads, seq_len, head_dim]
     scores = torch.bmm(q, k).mul_(scale).view(num_kv_heads, group, q_len, seq_len)
-    if q_len > 1:
+    if q_len > 1 or window:
         query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         key_pos = torch.arange(seq_len, device=query.device)
-        scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+        hidden = key_pos[None, :] > query_pos[:, None]
+        if window:
+            hidden |= key_pos[None, :] <= query_pos[:, None] - window
+        scores.masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, seq_len)
     out = torch.bmm(probs, v).view(num_kv_heads, group, q_len, head_dim)
     return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(query.dtype)
@@ -82,6 +90,7 @@ class CpuAttentionBackend:
         num_decode_seqs: int = 0,  # launch hints of the CUDA backend: no use here
         host_seq_lens: Sequence[int] | None = None,
         kv_decode: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
+        window: int = 0,
     ) -> Tensor:
         """kv_decode(slots, key_codes, value_codes) -> fp32 (keys, values): a quantized pool's
         gathered context dequantized (worker.kv_cache; the oracle may copy, the kernels do not)."""
@@ -106,7 +115,7 @@ class CpuAttentionBackend:
             context_begin += seq_len
             if q_end > q_begin:
                 output[q_begin:q_end] = attention_over_context(
-                    query[q_begin:q_end], keys[context], values[context], scale
+                    query[q_begin:q_end], keys[context], values[context], scale, window
                 )
         return output
 
