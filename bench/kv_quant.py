@@ -47,7 +47,8 @@ def decode_step_seconds(workers: dict, batch: int, context: int, steps: int) -> 
         rng = random.Random(batch)
         for i in range(batch):
             tokens = [rng.randrange(vocab) for _ in range(context)]
-            engine.add_request(f"d{i}", tokens, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+            # long enough that the first prompts still decode when the last prefill chunk ran
+            engine.add_request(f"d{i}", tokens, SamplingParams(max_tokens=56, ignore_eos=True))
 
     def decodes(t: TimedWorker) -> list[float]:
         return [s for n, k, s in t.samples if n == batch and k == batch]
@@ -60,6 +61,8 @@ def decode_step_seconds(workers: dict, batch: int, context: int, steps: int) -> 
     result = {}
     for kind, t in timed.items():
         result[kind] = median(decodes(t)[1:])  # the first: warm-up
+        for i in range(batch):
+            engines[kind].scheduler.abort_request(f"d{i}")
         engines[kind].run_to_completion()
     return result
 

@@ -65,8 +65,13 @@ static inline uint8_t kv_scale_byte(float amax, int dtype) {
     return (uint8_t)(e < 1 ? 1 : (e > 253 ? 253 : e));
 }
 
+/* y rounded to the nearest integer, ties to even, for |y| < 2^22: adding 1.5 * 2^23 leaves no
+ * fraction bits (the FPU rounds, in its default mode). An inline add, where lrintf is a libm call
+ * per value without -fno-math-errno (measured: int8 decode steps 1.2x bf16's with lrintf). */
+static ALWAYS_INLINE float kv_round(float y) { return (y + 12582912.f) - 12582912.f; }
+
 /* Round-to-nearest-even encoders of y, already scaled and clamped to [-qmax, qmax] (torch's
- * .to(float8_*) rounds the same way). Subnormal codes come from lrintf in the default mode. */
+ * .to(float8_*) rounds the same way). */
 static inline uint8_t kv_e4m3_from_float(float y) {
     uint32_t w;
     memcpy(&w, &y, sizeof w);
@@ -75,7 +80,7 @@ static inline uint8_t kv_e4m3_from_float(float y) {
     memcpy(&a, &absw, sizeof a);
     if (absw > 0x7F800000u) return (uint8_t)(sign | 0x7Fu); /* NaN */
     if (a >= 448.f) return (uint8_t)(sign | 0x7Eu);
-    if (a < 0.015625f) return (uint8_t)(sign | (uint32_t)lrintf(a * 512.f)); /* < 2^-6: steps of 2^-9 */
+    if (a < 0.015625f) return (uint8_t)(sign | (uint32_t)kv_round(a * 512.f)); /* < 2^-6: steps of 2^-9 */
     const uint32_t r = absw + 0x7FFFFu + ((absw >> 20) & 1u);
     return (uint8_t)(sign | ((r >> 20) - (120u << 3)));
 }
@@ -88,7 +93,7 @@ static inline uint8_t kv_e5m2_from_float(float y) {
     memcpy(&a, &absw, sizeof a);
     if (absw > 0x7F800000u) return (uint8_t)(sign | 0x7Fu);
     if (a >= 57344.f) return (uint8_t)(sign | 0x7Bu);
-    if (a < 6.103515625e-05f) return (uint8_t)(sign | (uint32_t)lrintf(a * 65536.f)); /* < 2^-14 */
+    if (a < 6.103515625e-05f) return (uint8_t)(sign | (uint32_t)kv_round(a * 65536.f)); /* < 2^-14 */
     const uint32_t r = absw + 0xFFFFFu + ((absw >> 21) & 1u);
     return (uint8_t)(sign | ((r >> 21) - (112u << 2)));
 }
@@ -98,7 +103,7 @@ static inline uint8_t kv_encode(float y, int dtype) {
     y = y > qmax ? qmax : (y < -qmax ? -qmax : y);
     if (dtype == DT_FP8_E4M3) return kv_e4m3_from_float(y);
     if (dtype == DT_FP8_E5M2) return kv_e5m2_from_float(y);
-    return (uint8_t)(int8_t)lrintf(y);
+    return (uint8_t)(int8_t)(int32_t)kv_round(y);
 }
 
 /* One head's row of n values into codes at dst: its scale byte (dynamic: tensor_scale == 0) or
@@ -130,7 +135,7 @@ static ALWAYS_INLINE v16 load16_code(const void *p, int64_t index, int dtype) {
     if (dtype == DT_I8) {
         v16c c;
         memcpy(&c, (const int8_t *)p + index, sizeof c);
-        return __builtin_convertvector(c, v16);
+        return __builtin_convertvector(__builtin_convertvector(c, v16i), v16); /* widen, then convert */
     }
     v16b b;
     memcpy(&b, (const uint8_t *)p + index, sizeof b);
