@@ -67,7 +67,7 @@ static inline uint8_t kv_scale_byte(float amax, int dtype) {
 
 /* y rounded to the nearest integer, ties to even, for |y| < 2^22: adding 1.5 * 2^23 leaves no
  * fraction bits (the FPU rounds, in its default mode). An inline add, where lrintf is a libm call
- * per value without -fno-math-errno (measured: int8 decode steps 1.2x bf16's with lrintf). */
+ * per value without -fno-math-errno. */
 static ALWAYS_INLINE float kv_round(float y) { return (y + 12582912.f) - 12582912.f; }
 
 /* Round-to-nearest-even encoders of y, already scaled and clamped to [-qmax, qmax] (torch's
@@ -132,19 +132,19 @@ static ALWAYS_INLINE uint16_t kv_fp8_as_f16(uint8_t b, int dtype) {
 
 /* 16 codes at p + index as fp32 (value / kv_code_unit, before the scale). */
 static ALWAYS_INLINE v16 load16_code(const void *p, int64_t index, int dtype) {
-    if (dtype == DT_I8) {
-        v16c c;
-        memcpy(&c, (const int8_t *)p + index, sizeof c);
-        return __builtin_convertvector(__builtin_convertvector(c, v16i), v16); /* widen, then convert */
-    }
     v16b b;
     memcpy(&b, (const uint8_t *)p + index, sizeof b);
     v16h h = __builtin_convertvector(b, v16h);
-    if (dtype == DT_FP8_E5M2) h = h << 8;
-    else h = ((h & 0x80u) << 8) | ((h & 0x7Fu) << 7);
+    if (dtype == DT_I8) /* code + 128 = u in 0..255; the fp16 with bits 0x6400 + u is 1024 + u, exactly */
+        h = (h ^ 0x80u) | 0x6400u;
+    else if (dtype == DT_FP8_E5M2)
+        h = h << 8;
+    else
+        h = ((h & 0x80u) << 8) | ((h & 0x7Fu) << 7);
     uint16_t bits[16];
     memcpy(bits, &h, sizeof bits);
-    return load16_f16(bits);
+    /* int8 through the fp16 path too: GCC converts int8 vectors to float lane by lane */
+    return dtype == DT_I8 ? load16_f16(bits) - 1152.f : load16_f16(bits);
 }
 
 static ALWAYS_INLINE float load1_code(const void *p, int64_t index, int dtype) {
