@@ -193,7 +193,7 @@ class ModelFacts:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # KV element type: "float32" | "float16" | "bfloat16"
+    dtype: str  # the model's (activations') dtype: "float32" | "float16" | "bfloat16"
     block_size: int
     num_blocks: int  # including the null block 0
     bytes_per_block: int  # 2 * layers * kv_heads * head_dim * dtype_bytes * block_size
@@ -215,6 +215,9 @@ class ModelFacts:
     image_merge_size: int = 0
     image_min_pixels: int = 0
     image_max_pixels: int = 0
+    # Quantized KV cache (issue 31): see engine.proto ModelFacts.
+    kv_cache_dtype: str = ""  # what the KV pools hold: the dtype above, or "fp8_e4m3" | "fp8_e5m2" | "int8"
+    kv_cache_scales: str = ""  # how a quantized pool's scales are chosen; "" when not quantized
 
     @property
     def accepts_images(self) -> bool:

@@ -29,6 +29,7 @@ SUITES = [
     "e2e",
     "overhead",
     "memory",
+    "kv_quant",
     "prefix_cache",
     "preemption",
     "beam_search",

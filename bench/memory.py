@@ -16,6 +16,10 @@ Request mix (seeded): every request arrives at t=0 (a saturated server);
 Waste = KV slots held by a sequence that hold no token: paged, its table's slots minus its
 computed tokens; contiguous, max_model_len minus its computed tokens.
 
+Quantized KV cache (issue 31): the same mix, paged, at the same budget with a bf16 model whose
+cache is bf16 (the baseline) or quantized (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2 / int8): blocks
+and mean running sequences while requests wait, as ratios to bf16's.
+
 Run: `python -m bench.memory [--quick]`.
 """
 
@@ -72,9 +76,31 @@ class GeometrySim(SimWorker):
         )
 
 
-def _real_geometry(layout: str):
-    config = WorkerConfig(kv_layout=layout, kv_cache_memory=KV_BYTES, max_model_len=MAX_MODEL_LEN)
+def _real_geometry(layout: str, **settings):
+    config = WorkerConfig(kv_layout=layout, kv_cache_memory=KV_BYTES, max_model_len=MAX_MODEL_LEN, **settings)
     return Worker(config).describe()
+
+
+QUANTIZED_KV = ("fp8_e4m3", "fp8_e5m2", "int8")
+
+
+def quantized_kv_figures(mix: list[tuple[int, int]]) -> dict:
+    """Blocks and running sequences per KV dtype at KV_BYTES, as ratios to a bf16 cache."""
+    base_info = _real_geometry("paged", dtype="bfloat16")
+    base = simulate(base_info, mix, rows=None)
+    res = {
+        "bf16_num_blocks": base_info.num_blocks,
+        "bf16_mean_running_saturated": base["mean_running_saturated"],
+    }
+    for kv in QUANTIZED_KV:
+        info = _real_geometry("paged", dtype="bfloat16", kv_cache_dtype=kv)
+        run_ = simulate(info, mix, rows=None)
+        res[f"{kv}_num_blocks"] = info.num_blocks
+        res[f"{kv}_mean_running_saturated"] = run_["mean_running_saturated"]
+        res[f"{kv}_blocks_vs_bf16"] = (info.num_blocks - 1) / (base_info.num_blocks - 1)
+        res[f"{kv}_running_vs_bf16"] = run_["mean_running_saturated"] / base["mean_running_saturated"]
+        res[f"{kv}_all_completed"] = run_["all_completed"]
+    return res
 
 
 def simulate(info, mix: list[tuple[int, int]], rows: int | None) -> dict:
@@ -161,6 +187,7 @@ def run(quick: bool = False, out_dir: Path | None = None) -> dict:
         res[f"{name}_all_completed"] = r["all_completed"]
     res["concurrency_ratio"] = paged["mean_running_saturated"] / contiguous["mean_running_saturated"]
     res["block_size"] = paged_info.block_size
+    res.update(quantized_kv_figures(mix))
     if out_dir is not None:
         plot(paged, contiguous, out_dir / "memory_blocks.png", paged_info.num_blocks - 1)
         res["plot"] = "memory_blocks.png"

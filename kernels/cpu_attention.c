@@ -8,9 +8,14 @@
  * tiles of up to 16 (token, head) rows of one kv head. Keys are visited in chunks of KEY_CHUNK
  * positions, not blocks, so the arithmetic does not depend on the block size: paged and
  * contiguous layouts (a row = one big block) give bit-identical results.
+ *
+ * Quantized pools (fp8 / int8 codes, cpu_kv_quant.h) decode in the same registers; each key's
+ * scale (its E8M0 byte beside the block, times the tensor scale) multiplies that key's score
+ * (K) or probability (V), never a widened copy of the pool.
  */
 #include <stdlib.h>
 
+#include "cpu_kv_quant.h"
 #include "cpu_simd.h"
 
 /* out[i] = sum of the 16 lanes of a[i], for 16 vectors at once: a transpose-and-add tree of
@@ -53,7 +58,7 @@ static inline v16 sum16(const v16 a[16]) {
  * keys at once (sum16). dim % 16 == 0, dim <= MAX_VEC_DIM. out[h][j], scaled. */
 static ALWAYS_INLINE void group_scores(float out[][KEY_CHUNK], const float *RESTRICT q, const void *RESTRICT keys,
                                        const int64_t *RESTRICT rows, int64_t n, int64_t dim, int64_t nh,
-                                       float scale, int dtype) {
+                                       float scale, const float *RESTRICT key_scales, int dtype) {
     v16 partial[GROUP_BATCH][KEY_CHUNK];
     for (int64_t j = 0; j < KEY_CHUNK; ++j) {
         if (j >= n) {
@@ -61,7 +66,7 @@ static ALWAYS_INLINE void group_scores(float out[][KEY_CHUNK], const float *REST
             continue;
         }
         v16 k[MAX_VEC_DIM / 16];
-        for (int64_t v = 0; v < dim / 16; ++v) k[v] = load16_as(keys, rows[j] + 16 * v, dtype);
+        for (int64_t v = 0; v < dim / 16; ++v) k[v] = load16_kv(keys, rows[j] + 16 * v, dtype);
         for (int64_t h = 0; h < nh; ++h) {
             v16 acc = {0};
             for (int64_t v = 0; v < dim / 16; ++v) acc += load16(q + h * dim + 16 * v) * k[v];
@@ -70,6 +75,7 @@ static ALWAYS_INLINE void group_scores(float out[][KEY_CHUNK], const float *REST
     }
     for (int64_t h = 0; h < nh; ++h) {
         v16 sums = sum16(partial[h]) * scale;
+        if (kv_is_quantized(dtype)) sums *= load16(key_scales); /* per key: its scale */
         memcpy(out[h], &sums, sizeof sums);
     }
 }
@@ -80,13 +86,20 @@ static ALWAYS_INLINE void group_scores(float out[][KEY_CHUNK], const float *REST
 static ALWAYS_INLINE void group_accumulate(float *RESTRICT acc, const float p[][KEY_CHUNK],
                                            const float *RESTRICT rescale, const void *RESTRICT values,
                                            const int64_t *RESTRICT rows, int64_t n, int64_t dim, int64_t nh,
-                                           float *RESTRICT widened, int dtype) {
+                                           float *RESTRICT widened, const float *RESTRICT value_scales, int dtype) {
     const float *v_rows[KEY_CHUNK];
     for (int64_t j = 0; j < n; ++j) {
         if (dtype == DT_F32) {
             v_rows[j] = (const float *)values + rows[j];
         } else {
-            for (int64_t v = 0; v < dim / 16; ++v) store16(widened + j * dim + 16 * v, load16_as(values, rows[j] + 16 * v, dtype));
+            if (kv_is_quantized(dtype)) {
+                const float vs = value_scales[j];
+                for (int64_t v = 0; v < dim / 16; ++v)
+                    store16(widened + j * dim + 16 * v, load16_code(values, rows[j] + 16 * v, dtype) * vs);
+            } else {
+                for (int64_t v = 0; v < dim / 16; ++v)
+                    store16(widened + j * dim + 16 * v, load16_as(values, rows[j] + 16 * v, dtype));
+            }
             v_rows[j] = widened + j * dim;
         }
     }
@@ -103,6 +116,28 @@ static ALWAYS_INLINE void group_accumulate(float *RESTRICT acc, const float p[][
     }
 }
 
+
+/* A quantized pool's scales: bytes [slots, kv_heads] beside the pools, and the per-tensor scales
+ * times the code unit (cpu_kv_quant.h). Unused for fp32 / 16-bit pools. */
+typedef struct {
+    const uint8_t *k_exps, *v_exps;
+    float k_unit, v_unit;
+} KvScales;
+
+/* The scales of kv head c for a chunk of n keys at pool offsets rows[] (= slot * kv_heads * dim):
+ * lanes past n are 0 so that a whole-vector multiply stays finite. */
+static ALWAYS_INLINE void key_scale_chunk(float *RESTRICT ks, float *RESTRICT vs, const KvScales *RESTRICT qs,
+                                          const int64_t *RESTRICT rows, int64_t n, int64_t dim, int64_t c) {
+    for (int64_t j = 0; j < KEY_CHUNK; ++j) {
+        if (j < n) {
+            const int64_t at = rows[j] / dim + c;
+            ks[j] = kv_scale_of(qs->k_exps[at]) * qs->k_unit;
+            vs[j] = kv_scale_of(qs->v_exps[at]) * qs->v_unit;
+        } else {
+            ks[j] = vs[j] = 0.f;
+        }
+    }
+}
 
 /* The pool offsets of the next min(remaining, KEY_CHUNK) keys, walking (block, offset) with no
  * division per key. Returns how many. */
@@ -124,21 +159,22 @@ static inline int64_t fill_rows(int64_t *rows, const int32_t *table, int64_t *bl
  * so the arithmetic is the same whatever the block size. */
 static ALWAYS_INLINE void attend_impl(
     float *RESTRICT out, const float *RESTRICT q, const void *RESTRICT k_cache, const void *RESTRICT v_cache,
-    const int32_t *RESTRICT table, int64_t num_keys, int64_t heads, int64_t kv_heads, int64_t dim,
-    int64_t block_size, float scale, int dtype) {
+    const int32_t *RESTRICT table, int64_t first_key, int64_t num_keys, int64_t heads, int64_t kv_heads, int64_t dim,
+    int64_t block_size, float scale, const KvScales *RESTRICT qs, int dtype) {
     float acc[MAX_HEADS_X_DIM];
     float max_score[MAX_HEADS_X_DIM / 32], denom[MAX_HEADS_X_DIM / 32];
     float scores[MAX_HEADS_X_DIM / 32][KEY_CHUNK], rescale[MAX_HEADS_X_DIM / 32];
     float widened[KEY_CHUNK * MAX_VEC_DIM]; /* one chunk of a kv head's V rows, widened to fp32 */
     int64_t rows[KEY_CHUNK]; /* element offset of each chunk key's row in the pools */
+    float key_scales[MAX_HEADS_X_DIM / 32][KEY_CHUNK], value_scales[MAX_HEADS_X_DIM / 32][KEY_CHUNK];
     const int64_t group = heads / kv_heads, row_stride = kv_heads * dim;
-    const int64_t elem = dtype == DT_F32 ? 4 : 2; /* bytes per pool element */
+    const int64_t elem = kv_elem_bytes(dtype); /* bytes per pool element */
     const int vectors = dim % 16 == 0 && dim <= MAX_VEC_DIM; /* every common head_dim */
     memset(acc, 0, (size_t)(heads * dim) * sizeof(float));
     for (int64_t h = 0; h < heads; ++h) max_score[h] = -INFINITY, denom[h] = 0.f;
-    int64_t block = 0, offset = 0, next_rows[KEY_CHUNK];
-    int64_t n_next = fill_rows(next_rows, table, &block, &offset, num_keys, block_size, row_stride);
-    for (int64_t start = 0; start < num_keys; start += KEY_CHUNK) {
+    int64_t block = first_key / block_size, offset = first_key % block_size, next_rows[KEY_CHUNK];
+    int64_t n_next = fill_rows(next_rows, table, &block, &offset, num_keys - first_key, block_size, row_stride);
+    for (int64_t start = first_key; start < num_keys; start += KEY_CHUNK) {
         const int64_t n = n_next;
         memcpy(rows, next_rows, (size_t)n * sizeof(int64_t));
         /* The heads below read each row in per-head slices, a pattern the hardware prefetcher
@@ -149,20 +185,23 @@ static ALWAYS_INLINE void attend_impl(
                 __builtin_prefetch((const char *)k_cache + next_rows[j] * elem + line);
                 __builtin_prefetch((const char *)v_cache + next_rows[j] * elem + line);
             }
+        if (kv_is_quantized(dtype))
+            for (int64_t c = 0; c < kv_heads; ++c)
+                key_scale_chunk(key_scales[c], value_scales[c], qs, rows, n, dim, c);
         if (vectors) {
             for (int64_t c = 0; c < kv_heads; ++c)
                 for (int64_t hb = 0; hb < group; hb += GROUP_BATCH) {
                     const int64_t h0 = c * group + hb, nh = group - hb < GROUP_BATCH ? group - hb : GROUP_BATCH;
                     group_scores(scores + h0, q + h0 * dim, (const char *)k_cache + c * dim * elem, rows, n, dim,
-                                 nh, scale, dtype);
+                                 nh, scale, key_scales[c], dtype);
                 }
         } else {
             for (int64_t h = 0; h < heads; ++h)
                 for (int64_t j = 0; j < n; ++j) {
                     const int64_t kv_offset = (h / group) * dim;
                     float s = 0.f;
-                    for (int64_t d = 0; d < dim; ++d) s += q[h * dim + d] * load1_as(k_cache, rows[j] + kv_offset + d, dtype);
-                    scores[h][j] = s * scale;
+                    for (int64_t d = 0; d < dim; ++d) s += q[h * dim + d] * load1_kv(k_cache, rows[j] + kv_offset + d, dtype);
+                    scores[h][j] = s * scale * (kv_is_quantized(dtype) ? key_scales[h / group][j] : 1.f);
                 }
         }
         for (int64_t h = 0; h < heads; ++h) { /* online softmax: scores become probabilities */
@@ -183,21 +222,22 @@ static ALWAYS_INLINE void attend_impl(
                 for (int64_t hb = 0; hb < group; hb += GROUP_BATCH) {
                     const int64_t h0 = c * group + hb, nh = group - hb < GROUP_BATCH ? group - hb : GROUP_BATCH;
                     group_accumulate(acc + h0 * dim, scores + h0, rescale + h0, (const char *)v_cache + c * dim * elem,
-                                     rows, n, dim, nh, widened, dtype);
+                                     rows, n, dim, nh, widened, value_scales[c], dtype);
                 }
         } else {
             for (int64_t h = 0; h < heads; ++h) {
                 const int64_t kv_offset = (h / group) * dim;
                 float *ah = acc + h * dim;
                 for (int64_t d = 0; d < dim; ++d) ah[d] *= rescale[h];
-                for (int64_t j = 0; j < n; ++j)
-                    for (int64_t d = 0; d < dim; ++d)
-                        ah[d] += scores[h][j] * load1_as(v_cache, rows[j] + kv_offset + d, dtype);
+                for (int64_t j = 0; j < n; ++j) {
+                    const float p = scores[h][j] * (kv_is_quantized(dtype) ? value_scales[h / group][j] : 1.f);
+                    for (int64_t d = 0; d < dim; ++d) ah[d] += p * load1_kv(v_cache, rows[j] + kv_offset + d, dtype);
+                }
             }
         }
     }
     for (int64_t h = 0; h < heads; ++h) {
-        float inv = num_keys > 0 ? 1.f / denom[h] : 0.f;
+        float inv = num_keys > first_key ? 1.f / denom[h] : 0.f;
         float *oh = out + h * dim, *ah = acc + h * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) oh[d] = ah[d] * inv;
@@ -207,9 +247,9 @@ static ALWAYS_INLINE void attend_impl(
 /* attend_impl with head_dim a compile-time constant where it is one of the common sizes, so its
  * loops become straight-line vector code. */
 static void attend_token(float *out, const float *q, const void *k_cache, const void *v_cache,
-                         const int32_t *table, int64_t num_keys, int64_t heads, int64_t kv_heads,
-                         int64_t dim, int64_t block_size, float scale, int dtype) {
-#define ATTEND(D, T) attend_impl(out, q, k_cache, v_cache, table, num_keys, heads, kv_heads, D, block_size, scale, T)
+                         const int32_t *table, int64_t first_key, int64_t num_keys, int64_t heads, int64_t kv_heads,
+                         int64_t dim, int64_t block_size, float scale, const KvScales *qs, int dtype) {
+#define ATTEND(D, T) attend_impl(out, q, k_cache, v_cache, table, first_key, num_keys, heads, kv_heads, D, block_size, scale, qs, T)
 #define ATTEND_DIMS(T)                \
     switch (dim) {                    \
     case 64: ATTEND(64, T); break;    \
@@ -218,7 +258,10 @@ static void attend_token(float *out, const float *q, const void *k_cache, const 
     }
     if (dtype == DT_F32) ATTEND_DIMS(DT_F32)
     else if (dtype == DT_BF16) ATTEND_DIMS(DT_BF16)
-    else ATTEND_DIMS(DT_F16)
+    else if (dtype == DT_F16) ATTEND_DIMS(DT_F16)
+    else if (dtype == DT_FP8_E4M3) ATTEND_DIMS(DT_FP8_E4M3)
+    else if (dtype == DT_FP8_E5M2) ATTEND_DIMS(DT_FP8_E5M2)
+    else ATTEND_DIMS(DT_I8)
 #undef ATTEND_DIMS
 #undef ATTEND
 }
@@ -236,12 +279,14 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
                                            const void *RESTRICT v_cache, const int32_t *RESTRICT table,
                                            int64_t first_token, int64_t n_tokens, int64_t first_pos,
                                            int64_t kv_head, int64_t heads, int64_t kv_heads, int64_t dim,
-                                           int64_t block_size, float scale, int dtype) {
+                                           int64_t block_size, float scale, int64_t window,
+                                           const KvScales *RESTRICT qs, int dtype) {
     const int64_t group = heads / kv_heads, rows = n_tokens * group, row_stride = kv_heads * dim;
     const int64_t dim_blocks = dim / TILE_ROWS;
     v16 qt[TILE_MAX_DIM], acc[TILE_ROWS][TILE_MAX_DIM / TILE_ROWS], s[KEY_CHUNK];
     float m[TILE_ROWS], l[TILE_ROWS], rescale[TILE_ROWS];
     int64_t row_pos[TILE_ROWS], offs[KEY_CHUNK];
+    float ks[KEY_CHUNK], vs[KEY_CHUNK]; /* quantized pools: each chunk key's scales */
     for (int64_t r = 0; r < TILE_ROWS; ++r) {
         /* padding rows repeat the last real row (their output is dropped) */
         int64_t rr = r < rows ? r : rows - 1, tok = rr / group, h = kv_head * group + rr % group;
@@ -251,23 +296,35 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
         m[r] = -INFINITY, l[r] = 0.f;
         for (int64_t db = 0; db < dim_blocks; ++db) acc[r][db] = (v16){0};
     }
-    const int64_t num_keys = first_pos + n_tokens;
-    int64_t block = 0, offset = 0;
-    for (int64_t start = 0; start < num_keys; start += KEY_CHUNK) {
+    const int64_t num_keys = first_pos + n_tokens, last_pos = num_keys - 1;
+    /* a sliding window: the first row sees keys from first_pos - window + 1 on */
+    const int64_t first_key = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    int64_t block = first_key / block_size, offset = first_key % block_size;
+    for (int64_t start = first_key; start < num_keys; start += KEY_CHUNK) {
         int64_t n = num_keys - start < KEY_CHUNK ? num_keys - start : KEY_CHUNK;
         for (int64_t j = 0; j < n; ++j) {
             offs[j] = ((int64_t)table[block] * block_size + offset) * row_stride + kv_head * dim;
             if (++offset == block_size) offset = 0, ++block;
         }
+        if (kv_is_quantized(dtype)) /* offs[j] / dim = slot * kv_heads + kv_head, as key_scale_chunk's rows */
+            for (int64_t j = 0; j < n; ++j) {
+                ks[j] = kv_scale_of(qs->k_exps[offs[j] / dim]) * qs->k_unit;
+                vs[j] = kv_scale_of(qs->v_exps[offs[j] / dim]) * qs->v_unit;
+            }
         for (int64_t j = 0; j < n; ++j) {
             v16 sj = {0};
-            for (int64_t d = 0; d < dim; ++d) sj += qt[d] * load1_as(k_cache, offs[j] + d, dtype);
+            for (int64_t d = 0; d < dim; ++d) sj += qt[d] * load1_kv(k_cache, offs[j] + d, dtype);
+            if (kv_is_quantized(dtype)) sj *= ks[j];
             s[j] = sj;
         }
         if (start + n - 1 > first_pos) /* the diagonal chunk: hide keys after each row */
             for (int64_t j = 0; j < n; ++j)
                 for (int64_t r = 0; r < TILE_ROWS; ++r)
                     if (start + j > row_pos[r]) s[j][r] = -INFINITY;
+        if (window > 0 && start <= last_pos - window) /* keys that later rows' windows left behind */
+            for (int64_t j = 0; j < n; ++j)
+                for (int64_t r = 0; r < TILE_ROWS; ++r)
+                    if (start + j <= row_pos[r] - window) s[j][r] = -INFINITY;
         float cm[TILE_ROWS];
         for (int64_t r = 0; r < TILE_ROWS; ++r) cm[r] = m[r];
         for (int64_t j = 0; j < n; ++j)
@@ -275,7 +332,8 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
             for (int64_t r = 0; r < TILE_ROWS; ++r) cm[r] = s[j][r] > cm[r] ? s[j][r] : cm[r];
 #pragma omp simd
         for (int64_t r = 0; r < TILE_ROWS; ++r) {
-            rescale[r] = exp_approx(m[r] - cm[r]);
+            /* rows that have seen only masked keys so far: nothing to rescale (not -inf - -inf) */
+            rescale[r] = cm[r] == -INFINITY ? 1.f : exp_approx(m[r] - cm[r]);
             l[r] *= rescale[r];
             m[r] = cm[r];
         }
@@ -292,7 +350,10 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
         for (int64_t r = 0; r < rows; ++r) {
             for (int64_t db = 0; db < dim_blocks; ++db) {
                 v16 a = acc[r][db] * rescale[r];
-                for (int64_t j = 0; j < n; ++j) a += s[j][r] * load16_as(v_cache, offs[j] + db * TILE_ROWS, dtype);
+                if (kv_is_quantized(dtype))
+                    for (int64_t j = 0; j < n; ++j) a += (s[j][r] * vs[j]) * load16_code(v_cache, offs[j] + db * TILE_ROWS, dtype);
+                else
+                    for (int64_t j = 0; j < n; ++j) a += s[j][r] * load16_as(v_cache, offs[j] + db * TILE_ROWS, dtype);
                 acc[r][db] = a;
             }
         }
@@ -310,12 +371,15 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
 static void attend_tile(float *out, const float *query, const void *k_cache, const void *v_cache,
                         const int32_t *table, int64_t first_token, int64_t n_tokens, int64_t first_pos,
                         int64_t kv_head, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                        float scale, int dtype) {
+                        float scale, int64_t window, const KvScales *qs, int dtype) {
 #define TILE(T) attend_tile_impl(out, query, k_cache, v_cache, table, first_token, n_tokens, first_pos, \
-                                 kv_head, heads, kv_heads, dim, block_size, scale, T)
+                                 kv_head, heads, kv_heads, dim, block_size, scale, window, qs, T)
     if (dtype == DT_F32) TILE(DT_F32);
     else if (dtype == DT_BF16) TILE(DT_BF16);
-    else TILE(DT_F16);
+    else if (dtype == DT_F16) TILE(DT_F16);
+    else if (dtype == DT_FP8_E4M3) TILE(DT_FP8_E4M3);
+    else if (dtype == DT_FP8_E5M2) TILE(DT_FP8_E5M2);
+    else TILE(DT_I8);
 #undef TILE
 }
 
@@ -326,14 +390,23 @@ typedef struct {
 
 /* query/out [T, H, D]; caches [blocks, block_size, KV, D]; block_tables int32 [S, width];
  * seq_lens int32 [S] (context incl. this step's tokens); query_start_loc int32 [S + 1].
+ * Quantized pools: k_exps/v_exps [blocks * block_size, KV] scale bytes, k_scale/v_scale the
+ * per-tensor scales (0 = none: 1); all four are ignored for other pools. window > 0: a
+ * sliding-window layer, each query sees the `window` positions up to its own (keys before are
+ * never read, so their blocks may be gone).
  * Sequences with at least half a tile of query rows (prefill chunks) go through attend_tile,
  * the rest (decodes) through attend_token. Returns 0, or -1 when the geometry exceeds this
  * kernel's fixed buffers (the caller refuses such models up front). */
 int paged_attention(float *out, const float *query, const void *k_cache, const void *v_cache, int kv_dtype,
+                    const uint8_t *k_exps, const uint8_t *v_exps, float k_scale, float v_scale,
                     const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
                     const int32_t *query_start_loc, int64_t num_seqs, int64_t heads,
-                    int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int threads) {
+                    int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window, int threads) {
     if (heads * dim > MAX_HEADS_X_DIM || heads % kv_heads != 0 || heads > MAX_HEADS_X_DIM / 32) return -1;
+    if (kv_is_quantized(kv_dtype) && (!k_exps || !v_exps)) return -3;
+    const float unit = kv_code_unit(kv_dtype);
+    const KvScales qs = {k_exps, v_exps, (k_scale == 0.f ? 1.f : k_scale) * unit,
+                         (v_scale == 0.f ? 1.f : v_scale) * unit};
     const int64_t group = heads / kv_heads;
     const int tiles_ok = dim <= TILE_MAX_DIM && dim % TILE_ROWS == 0 && group <= TILE_ROWS;
     const int64_t tile_tokens = tiles_ok ? TILE_ROWS / group : 1;
@@ -362,12 +435,13 @@ int paged_attention(float *out, const float *query, const void *k_cache, const v
         const int64_t q_len = query_start_loc[it.seq + 1] - query_start_loc[it.seq];
         const int64_t pos = seq_lens[it.seq] - q_len + (it.first_token - query_start_loc[it.seq]);
         const int32_t *table = block_tables + it.seq * table_width;
+        const int64_t first_key = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
         if (it.kv_head < 0)
             attend_token(out + it.first_token * heads * dim, query + it.first_token * heads * dim, k_cache,
-                         v_cache, table, pos + 1, heads, kv_heads, dim, block_size, scale, kv_dtype);
+                         v_cache, table, first_key, pos + 1, heads, kv_heads, dim, block_size, scale, &qs, kv_dtype);
         else
             attend_tile(out, query, k_cache, v_cache, table, it.first_token, it.n_tokens, pos, it.kv_head,
-                        heads, kv_heads, dim, block_size, scale, kv_dtype);
+                        heads, kv_heads, dim, block_size, scale, window, &qs, kv_dtype);
     }
     free(items);
     return 0;

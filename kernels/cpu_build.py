@@ -40,7 +40,7 @@ from kernels.cache_dir import default_cache_dir
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("cpu_ops.c", "cpu_attention.c", "cpu_gemm.c", "cpu_quant.c", "cpu_decoder.c", "cpu_sampling.c")
-HEADERS = ("cpu_simd.h",)
+HEADERS = ("cpu_simd.h", "cpu_kv_quant.h")
 BASE_OPTIONS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
 # A compiler without an OpenMP runtime (clang without libomp) still builds the kernels, run on one
 # thread: slower than torch's threads would be, faster than the reference forward.
@@ -98,7 +98,7 @@ _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c
 SIGNATURES = {
     "rms_norm": (None, (_P, _P, _P, _I64, _I64, _F32, _INT)),
     "add_rms_norm": (None, (_P, _P, _P, _P, _I64, _I64, _F32, _INT)),
-    "qkv_rope_store": (None, (_P,) * 9 + (_INT, _I64, _I64, _I64, _I64, _F32, _INT)),
+    "qkv_rope_store": (None, (_P,) * 9 + (_INT, _I64, _I64, _I64, _I64, _F32, _P, _P, _F32, _F32, _INT)),
     "silu_mul": (None, (_P, _P, _I64, _I64, _INT)),
     "gather_rows": (None, (_INT, _P, _P, _P, _I64, _I64, _INT)),
     "pk_linear": (_INT, (_INT, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT)),
@@ -111,10 +111,11 @@ SIGNATURES = {
     "pk_decoder_scratch_bytes": (_I64, (_P, _I64)),
     "paged_attention": (
         _INT,
-        (_P, _P, _P, _P, _INT, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT),
+        (_P,) * 4 + (_INT, _P, _P, _F32, _F32, _P, _I64, _P, _P) + (_I64,) * 5 + (_F32, _I64, _INT),
     ),
 }
-DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}  # cpu_simd.h DT_*
+DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}  # cpu_simd.h DT_* of weights and pools
+KV_CODE_DTYPES = {"fp8_e4m3": 3, "fp8_e5m2": 4, "int8": 5}  # DT_* of quantized K/V pools only
 MAX_HEADS_X_DIM = 8192  # one token's attention accumulators (cpu_attention.c MAX_HEADS_X_DIM)
 MAX_HEAD_DIM = 512  # cpu_ops.c MAX_HEAD_DIM
 

@@ -27,12 +27,13 @@ void add_rms_norm(float *residual, const float *delta, float *out, const float *
 void qkv_rope_store(const float *qkv, const float *cos, const float *sin, const int64_t *slots,
                     const float *q_norm_w, const float *k_norm_w, float *q_out, void *k_cache, void *v_cache,
                     int kv_dtype, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, float eps,
-                    int threads);
+                    uint8_t *k_exps, uint8_t *v_exps, float k_scale, float v_scale, int threads);
 void silu_mul(float *out, const float *gate_up, int64_t rows, int64_t inner, int threads);
 int paged_attention(float *out, const float *query, const void *k_cache, const void *v_cache, int kv_dtype,
+                    const uint8_t *k_exps, const uint8_t *v_exps, float k_scale, float v_scale,
                     const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
                     const int32_t *query_start_loc, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
-                    int64_t block_size, float scale, int threads);
+                    int64_t block_size, float scale, int64_t window, int threads);
 
 typedef struct {
     int32_t kind;        /* DT_F32 / DT_BF16 / DT_F16 panels (cpu_gemm.c), or 4 / 8: integer codes (cpu_quant.c) */
@@ -49,6 +50,9 @@ typedef struct {
     PkLinear qkv, o, gate_up, down;
     const float *input_norm, *post_norm, *q_norm, *k_norm; /* q/k norms NULL when absent */
     void *k_cache, *v_cache;
+    uint8_t *k_exps, *v_exps; /* quantized pools: scale bytes [slots, kv_heads] (cpu_kv_quant.h); else NULL */
+    float k_scale, v_scale;   /* quantized pools: the checkpoint's per-tensor scales, 0 = per (token, head) */
+    int64_t window;           /* sliding-window layer: keys within `window` positions; 0 = all */
 } PkLayer;
 
 typedef struct {
@@ -127,10 +131,12 @@ int pk_decoder(const PkModel *m, const PkStep *s, float *x, float *out, float *s
         int status = linear(&L->qkv, wide, h, T, threads);
         if (status) return status;
         qkv_rope_store(wide, s->cos, s->sin, s->slots, L->q_norm, L->k_norm, q, L->k_cache, L->v_cache,
-                       m->kv_dtype, T, m->heads, m->kv_heads, m->head_dim, m->eps, threads);
-        status = paged_attention(attended, q, L->k_cache, L->v_cache, m->kv_dtype, s->block_tables, s->table_width,
+                       m->kv_dtype, T, m->heads, m->kv_heads, m->head_dim, m->eps, L->k_exps, L->v_exps, L->k_scale,
+                       L->v_scale, threads);
+        status = paged_attention(attended, q, L->k_cache, L->v_cache, m->kv_dtype, L->k_exps, L->v_exps, L->k_scale,
+                                 L->v_scale, s->block_tables, s->table_width,
                                  s->seq_lens, s->query_start_loc, s->num_seqs, m->heads, m->kv_heads, m->head_dim,
-                                 s->block_size, m->scale, threads);
+                                 s->block_size, m->scale, L->window, threads);
         if (status) return status;
         int64_t rows = T;
         if (li == m->num_layers - 1) { /* past the last attention only the sampling rows matter */

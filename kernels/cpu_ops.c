@@ -5,13 +5,15 @@
  *   rms_norm            out = x / rms(x) * w
  *   add_rms_norm        residual += delta; out = rms_norm(residual)           (one read of each)
  *   qkv_rope_store      per token: [q/k RMSNorm per head], RoPE on q and k, K/V stored at the
- *                       token's slot in the pool's dtype, q written out       (replaces ~12 ops)
+ *                       token's slot in the pool's dtype (or quantized, with its scale byte:
+ *                       cpu_kv_quant.h), q written out                       (replaces ~12 ops)
  *   silu_mul            out = silu(gate) * up from the fused gate|up GEMM output
  *   gather_rows         embedding lookup from a row-major table, widened to fp32
  *
  * Threads: OpenMP with the count passed by the caller; libgomp is the copy torch loaded (same
  * SONAME), so kernels and torch share one pool.
  */
+#include "cpu_kv_quant.h"
 #include "cpu_simd.h"
 
 static inline float sum_squares(const float *RESTRICT x, int64_t n) {
@@ -79,12 +81,27 @@ static inline void store_row(void *dst, int64_t index, const float *src, int64_t
     for (; i < n; ++i) store1_as(dst, index + i, src[i], dtype);
 }
 
+/* One head (or, unquantized, a run of heads) of a token into the pool at `index`; quantized
+ * pools take one scale byte per head at exps[slot * kv_heads + head] (cpu_kv_quant.h). */
+static inline void store_heads(void *pool, uint8_t *exps, int64_t index, const float *src, int64_t heads,
+                               int64_t dim, int dtype, float tensor_scale) {
+    if (!kv_is_quantized(dtype)) {
+        store_row(pool, index, src, heads * dim, dtype);
+        return;
+    }
+    for (int64_t h = 0; h < heads; ++h)
+        exps[index / dim + h] = kv_store_head((uint8_t *)pool + index + h * dim, src + h * dim, dim, dtype,
+                                              tensor_scale);
+}
+
 /* qkv [T, (H + 2 KV) * D] (the fused projection's output); cos/sin [T, D/2]; slots int64 [T]
- * (< 0: no store); pools [blocks * block_size, KV, D] of kv_dtype viewed flat; q_out [T, H, D]. */
+ * (< 0: no store); pools [blocks * block_size, KV, D] of kv_dtype viewed flat; q_out [T, H, D].
+ * Quantized pools (kv_dtype >= DT_FP8_E4M3): k_exps/v_exps [blocks * block_size, KV] scale bytes;
+ * k_scale/v_scale the checkpoint's per-tensor scales, or 0 to compute one per (token, head). */
 void qkv_rope_store(const float *qkv, const float *cos, const float *sin, const int64_t *slots,
                     const float *q_norm_w, const float *k_norm_w, float *q_out, void *k_cache, void *v_cache,
                     int kv_dtype, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, float eps,
-                    int threads) {
+                    uint8_t *k_exps, uint8_t *v_exps, float k_scale, float v_scale, int threads) {
     const int64_t width = (heads + 2 * kv_heads) * dim, half = dim / 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens >= 8)
     for (int64_t t = 0; t < tokens; ++t) {
@@ -98,9 +115,9 @@ void qkv_rope_store(const float *qkv, const float *cos, const float *sin, const 
         float roped[MAX_HEAD_DIM];
         for (int64_t h = 0; h < kv_heads; ++h) {
             norm_rope_head(roped, k + h * dim, k_norm_w, cos_t, sin_t, dim, eps);
-            store_row(k_cache, base + h * dim, roped, dim, kv_dtype);
+            store_heads(k_cache, k_exps, base + h * dim, roped, 1, dim, kv_dtype, k_scale);
         }
-        store_row(v_cache, base, v, kv_heads * dim, kv_dtype);
+        store_heads(v_cache, v_exps, base, v, kv_heads, dim, kv_dtype, v_scale);
     }
 }
 

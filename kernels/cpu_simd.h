@@ -184,8 +184,9 @@ static ALWAYS_INLINE void store16_f16(uint16_t *p, v16 f) {
 #endif
 }
 
-/* Element types of the K/V pools and of weights. Values match kernels/cpu_build.py's DTYPES. */
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+/* Element types of the K/V pools and of weights. Values match kernels/cpu_build.py's DTYPES.
+ * The 8-bit ones are quantized K/V pools only (cpu_kv_quant.h): codes that need a scale. */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_FP8_E4M3 = 3, DT_FP8_E5M2 = 4, DT_I8 = 5 };
 
 static ALWAYS_INLINE v16 load16_as(const void *p, int64_t index, int dtype) {
     if (dtype == DT_F32) return load16((const float *)p + index);

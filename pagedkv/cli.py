@@ -106,6 +106,13 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
     )
     p.add_argument("--kv-layout", choices=("paged", "contiguous"), default="paged", help="KV pool layout")
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8_e4m3", "fp8_e5m2", "int8"),
+        default="auto",
+        help="KV pool element type: the model's dtype (auto), or 1-byte codes with a scale per token and "
+        "head (about 2x the blocks of bf16 in the same memory; CPU worker, paged layout)",
+    )
+    p.add_argument(
         "--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto", help="weights dtype"
     )
     p.add_argument(

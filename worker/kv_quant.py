@@ -1,0 +1,176 @@
+"""Quantized KV cache (issue 31): the formats, their scales, and the torch oracle of the C kernels.
+
+A quantized pool holds 8-bit codes (fp8 e4m3, fp8 e5m2 or int8) in a uint8 tensor shaped like
+the unquantized pool, plus one scale byte per (slot, kv head) in a pool of its own shaped
+[num_blocks, block_size, num_kv_heads]: block id first, like the codes, so copy-on-write, block
+copies and preemption (which are all block copies or block reuse) carry the scales with their
+block and nothing else has to know they exist.
+
+    value = code * 2^(byte - 127) * tensor_scale
+
+The byte is an E8M0 power of two (as OCP MX formats store shared scales). Dynamic (default):
+per (token, kv head), the smallest power of two that maps the head's amax into the code range,
+computed when the token is stored; tensor_scale = 1. From the checkpoint (fp8_e4m3 only: what
+compressed-tensors and ModelOpt calibrate k_scale / v_scale for): every byte is 127 and
+tensor_scale is the layer's k_scale or v_scale. Why per token and head: a token's scale never
+changes after it is written (a per-block scale would have to grow, and requantize the block, as
+later tokens arrive), outlier heads do not cost the others precision, and one byte per head_dim
+codes keeps the pool at 2x the blocks of bf16 (1.97x at head_dim 64, measured in PERF.md).
+
+`quantize` / `dequantize` here are bit-identical to kernels/cpu_kv_quant.h's store (same byte,
+same round-to-nearest-even codes): the reference forward and the tests use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kernels.cpu_build import KV_CODE_DTYPES
+from worker.errors import ModelLoadError, WorkerConfigError
+
+EXP_BIAS = 127
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
+@dataclass(frozen=True, slots=True)
+class KVFormat:
+    """One quantized code type. `bits` is b with 2^(b-1) <= qmax < 2^b; `code` is the kernels'
+    DT_* value (kernels/cpu_build.py KV_CODE_DTYPES)."""
+
+    name: str
+    torch_dtype: torch.dtype  # what the uint8 codes are, viewed
+    qmax: float
+    bits: int
+    code: int
+
+
+FORMATS = {
+    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0, 9, KV_CODE_DTYPES["fp8_e4m3"]),
+    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0, 16, KV_CODE_DTYPES["fp8_e5m2"]),
+    "int8": KVFormat("int8", torch.int8, 127.0, 7, KV_CODE_DTYPES["int8"]),
+}
+
+
+def kv_format(name: str | None) -> KVFormat | None:
+    """The format of a `--kv-cache-dtype` value; None for "auto" (the model's dtype)."""
+    if name in (None, "auto"):
+        return None
+    if name not in FORMATS:
+        raise WorkerConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return FORMATS[name]
+
+
+def _pow2_from_byte(byte: Tensor, negate: bool = False) -> Tensor:
+    """2^(byte - 127) (or 2^(127 - byte)) built from its exponent bits: exact, bytes in 1..253."""
+    biased = (254 - byte.to(torch.int32)) if negate else byte.to(torch.int32)
+    return (biased << 23).view(torch.float32)
+
+
+def scale_bytes(amax: Tensor, fmt: KVFormat) -> Tensor:
+    """The smallest 2^e with amax <= qmax * 2^e, biased by 127 and clamped to [1, 253]."""
+    mantissa, exponent = torch.frexp(amax.float())
+    too_big = (torch.ldexp(mantissa, torch.tensor(float(fmt.bits))) > fmt.qmax).to(torch.int32)
+    byte = (exponent - fmt.bits + too_big + EXP_BIAS).clamp(1, 253)
+    byte = torch.where(amax > 0, byte, torch.ones_like(byte))
+    byte = torch.where(torch.isinf(amax), torch.full_like(byte, 253), byte)
+    return byte.to(torch.uint8)
+
+
+def quantize(x: Tensor, fmt: KVFormat, tensor_scale: float = 0.0) -> tuple[Tensor, Tensor]:
+    """x [..., head_dim] -> (uint8 codes [..., head_dim], scale bytes [...]). tensor_scale 0:
+    a computed byte per row; else the checkpoint's per-tensor scale and bytes of 127."""
+    x = x.float()
+    if tensor_scale == 0.0:
+        byte = scale_bytes(x.abs().amax(-1), fmt)
+        y = x * _pow2_from_byte(byte, negate=True)[..., None]
+    else:
+        byte = torch.full(x.shape[:-1], EXP_BIAS, dtype=torch.uint8)
+        inverse = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(tensor_scale, dtype=torch.float32)
+        y = x * inverse
+    y = y.clamp(-fmt.qmax, fmt.qmax)
+    codes = torch.round(y).to(torch.int8) if fmt.torch_dtype == torch.int8 else y.to(fmt.torch_dtype)
+    return codes.view(torch.uint8), byte
+
+
+def dequantize(codes: Tensor, byte: Tensor, fmt: KVFormat, tensor_scale: float = 0.0) -> Tensor:
+    """The fp32 values of codes [..., head_dim] with their scale bytes [...]."""
+    values = codes.view(fmt.torch_dtype).float() * _pow2_from_byte(byte)[..., None]
+    return values * tensor_scale if tensor_scale != 0.0 else values
+
+
+# -- checkpoint scales ------------------------------------------------------------------------
+_SCALE_NAMES = ("model.layers.{i}.self_attn.{kv}_scale", "model.layers.{i}.self_attn.{kv}_proj.{kv}_scale")
+
+
+def load_checkpoint_scales(model_dir: str | Path, num_layers: int) -> tuple[list[float], list[float]] | None:
+    """Per-layer (k_scales, v_scales) from a checkpoint that ships them (compressed-tensors writes
+    `self_attn.k_scale`, ModelOpt `self_attn.k_proj.k_scale`), or None when it ships none.
+    A scale that is not one positive finite number, or a checkpoint with some layers' scales
+    and not others, is refused by name (ModelLoadError)."""
+    from safetensors import safe_open
+
+    from worker.weights import locate_tensors
+
+    located = locate_tensors(model_dir)
+    found: dict[tuple[str, int], str] = {}
+    for i in range(num_layers):
+        for kv in ("k", "v"):
+            for pattern in _SCALE_NAMES:
+                name = pattern.format(i=i, kv=kv)
+                if name in located:
+                    found[(kv, i)] = name
+    if not found:
+        return None
+    missing = [f"layer {i} {kv}_scale" for i in range(num_layers) for kv in "kv" if (kv, i) not in found]
+    if missing:
+        raise ModelLoadError(
+            f"the checkpoint ships KV scales for some layers only: missing {', '.join(missing[:8])}"
+        )
+    scales = {"k": [0.0] * num_layers, "v": [0.0] * num_layers}
+    for (kv, i), name in found.items():
+        with safe_open(str(located[name]), framework="pt") as f:
+            tensor = f.get_tensor(name)
+        if tensor.numel() != 1 or tensor.dim() > 1:
+            raise ModelLoadError(
+                f"KV scale tensor {name} has shape {tuple(tensor.shape)}: a per-tensor scale is one "
+                "number (shape () or (1,)); per-head or per-channel KV scales are not supported"
+            )
+        value = float(tensor.float().reshape(()))
+        if not (value > 0.0 and value != float("inf")):
+            raise ModelLoadError(f"KV scale tensor {name} is {value}: a scale must be positive and finite")
+        scales[kv][i] = value
+    return scales["k"], scales["v"]
+
+
+def resolve_kv_quant(
+    name: str, device: torch.device, model_dir: str | Path, num_layers: int
+) -> tuple[KVFormat | None, tuple[list[float], list[float]] | None]:
+    """The worker's quantized-KV setup: (format, per-layer checkpoint scales or None). Refuses
+    at start, with the reason, what this worker cannot serve: a quantized cache on a backend
+    whose kernels read the model's dtype only (CUDA, until its kernels decode codes), or a
+    checkpoint's scale tensors of the wrong shape (by name, for any quantized format). The
+    checkpoint's scales are used for fp8_e4m3, the format they are calibrated for; int8 and
+    fp8_e5m2 compute their scales per token and head."""
+    fmt = kv_format(name)
+    if fmt is None:
+        return None, None
+    if device.type != "cpu":
+        raise WorkerConfigError(
+            f"--kv-cache-dtype {name}: the {device.type} backend's attention kernels read KV in the model's "
+            "dtype only; quantized KV caches run on the CPU worker (use --kv-cache-dtype auto here)"
+        )
+    scales = load_checkpoint_scales(model_dir, num_layers)
+    return fmt, scales if fmt.name == "fp8_e4m3" else None
+
+
+def describe_scales(fmt: KVFormat | None, scales: tuple[list[float], list[float]] | None) -> str:
+    """ModelFacts.kv_cache_scales."""
+    if fmt is None:
+        return ""
+    if scales is not None:
+        return "per tensor (checkpoint k_scale/v_scale)"
+    return "per token and kv head (E8M0, computed)"
