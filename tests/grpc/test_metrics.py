@@ -22,8 +22,11 @@ from base.metrics import (
     serve_metrics,
     summarize_histogram,
 )
+from control_plane.scheduler_config import SchedulerConfig
 from pagedkv.cli import main
 from pagedkv.serve import child_commands, worker_metrics_port
+from tests.grpc.conftest import SteppedWorker
+from tests.grpc.harness import Stack
 
 PROMPT = list(range(1, 21))  # 20 tokens: one full block of 16 and a partial one
 MAX_TOKENS = 10
@@ -116,8 +119,10 @@ def test_gauges_while_a_request_is_running(stack, metrics):
     assert m["pagedkv_time_to_first_token_seconds_count"] == 1  # one per request
 
 
-def test_preemptions_are_counted(make_stack):
-    stack = make_stack({"num_blocks": 6})  # 5 real blocks: two 40-token sequences do not fit
+def test_preemptions_are_counted():
+    # 5 real blocks: two 40-token sequences do not fit. The worker takes no step until both
+    # requests are live, so they always run together (the first can never finish alone).
+    stack = Stack(lambda: SteppedWorker(num_blocks=6, block_size=16), SchedulerConfig())
     control = stack.on_loop(lambda: ControlPlaneMetrics(stack.engine, stack.loop))
     server = serve_metrics(control.registry, "127.0.0.1", 0)
     try:
@@ -130,12 +135,19 @@ def test_preemptions_are_counted(make_stack):
         ]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 30
+        while stack.client.stats().num_live_requests < 2:
+            assert time.monotonic() < deadline, "the two requests were never both admitted"
+            time.sleep(0.01)
+        stack.worker.permits.release(1000)
         for t in threads:
             t.join(30)
         s = stack.wait_idle()
         m = scrape(server.url)
     finally:
         server.close()
+        stack.worker.permits.release(1000)  # never leave the loop blocked in Execute
+        stack.close()
     assert s.num_preemptions > 0
     assert m["pagedkv_preemptions_total"] == s.num_preemptions
     assert m["pagedkv_generation_tokens_total"] == 40
