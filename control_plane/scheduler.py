@@ -30,17 +30,17 @@ import heapq
 from collections.abc import Collection
 
 from base.plan import ContinuingSequence, KVLayout, NewSequence, Plan, SamplingParams, WorkerInfo
-from control_plane.beam_search import BeamSearch, num_candidates
+from control_plane.beam_search import BeamSearch
 from control_plane.block_hash import extra_keys as make_extra_keys
 from control_plane.errors import (
     DuplicateRequestError,
-    InvalidRequestError,
     ResourceExhaustedError,
 )
 from control_plane.images import MAX_PLAN_IMAGE_BYTES, PromptImage
 from control_plane.kv_cache_manager import Allocation, KVCacheManager
 from control_plane.limits import short
 from control_plane.request import FinishReason, Request, RequestOutput, SeqStatus, Sequence
+from control_plane.request_checks import check_request
 from control_plane.scheduler_beams import SchedulerBeams, to_compute
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.scheduler_queries import SchedulerQueries
@@ -99,7 +99,9 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         `images`: control_plane.images.expand_images' output for these (expanded) prompt ids."""
         if request_id in self.requests:
             raise DuplicateRequestError(f"request id {short(request_id)!r} is already live; use a unique id")
-        self._validate(prompt_token_ids, sampling)
+        check_request(
+            prompt_token_ids, sampling, self.config, self.info, self.max_model_len, self.max_running, self.kv
+        )
         if self.num_waiting >= self.config.max_queue:
             raise ResourceExhaustedError(
                 f"the waiting queue is full ({self.config.max_queue} requests); retry later"
@@ -129,62 +131,6 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         self.requests[request_id] = req
         self._enqueue(self._new_sequence(req, 0, list(prompt_token_ids)))
         return req
-
-    def _validate(self, prompt: Collection[int], sampling: SamplingParams) -> None:
-        """O(1) checks first: a prompt longer than the model is refused before it is scanned
-        (it may be a client's multi-megabyte token list; control_plane.limits)."""
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty; send at least one token")
-        try:
-            sampling.validate(self.config.max_n, self.info.vocab_size)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
-        if len(prompt) + sampling.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
-                f"max length {self.max_model_len}; shorten the prompt or lower max_tokens"
-            )
-        vocab = self.info.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
-        if sampling.n > self.max_running:
-            raise InvalidRequestError(
-                f"n={sampling.n} exceeds the {self.max_running} sequences that can "
-                f"run at once (max_num_seqs); lower n"
-            )
-        width = sampling.beam_width if sampling.is_beam_search else 1
-        if (sampling.n > 1 or width > 1) and self.info.kv_layout != KVLayout.PAGED:
-            what = "beam search" if width > 1 else "n > 1"
-            raise InvalidRequestError(f"{what} needs shared KV blocks; the worker runs the contiguous layout")
-        if width > 1:
-            self._validate_beam_search(sampling)
-        need = width * self.kv.num_blocks_needed(len(prompt) + sampling.max_tokens)
-        if need > self.kv.pool.num_blocks - 1:
-            beams = f" ({width} beams)" if width > 1 else ""
-            raise ResourceExhaustedError(
-                f"the request needs {need} KV blocks at full length{beams} but the pool has "
-                f"{self.kv.pool.num_blocks - 1}; lower max_tokens or give the worker more KV memory"
-            )
-
-    def _validate_beam_search(self, sampling: SamplingParams) -> None:
-        if sampling.beam_width > self.max_running:
-            raise InvalidRequestError(
-                f"beam_width={sampling.beam_width} exceeds the {self.max_running} sequences that can "
-                f"run at once (max_num_seqs); lower beam_width"
-            )
-        stops = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stops.update(self.info.eos_token_ids)
-        k = num_candidates(sampling.beam_width, len(stops))
-        if k > self.info.vocab_size:
-            raise InvalidRequestError(
-                f"beam search needs {k} candidates per beam (beam_width x (1 + stop ids)) but the "
-                f"vocabulary has {self.info.vocab_size} tokens; lower beam_width or send fewer stop_token_ids"
-            )
 
     def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index, token_ids)
