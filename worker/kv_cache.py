@@ -177,21 +177,11 @@ class PagedKVCache:
     ) -> Tensor:
         """window > 0: a sliding-window layer (only the CPU reference backend takes one: the
         worker refuses windowed models on CUDA at start)."""
-        extra = {"window": window} if window else {}
+        extra: dict = {"window": window} if window else {}
         if self.kv_format is not None:  # only the CPU reference backend serves quantized pools
-            return self.backend.paged_attention(
-                query,
-                self.k_caches[layer],
-                self.v_caches[layer],
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                scale,
-                meta.max_query_len,
-                meta.max_seq_len,
-                kv_decode=partial(self._decode, layer),
-                **extra,
-            )
+            extra["kv_decode"] = partial(self._decode, layer)
+        else:
+            extra.update(num_decode_seqs=meta.num_decode_seqs, host_seq_lens=meta.host_seq_lens)
         return self.backend.paged_attention(
             query,
             self.k_caches[layer],
@@ -202,8 +192,6 @@ class PagedKVCache:
             scale,
             meta.max_query_len,
             meta.max_seq_len,
-            num_decode_seqs=meta.num_decode_seqs,
-            host_seq_lens=meta.host_seq_lens,
             **extra,
         )
 
