@@ -52,6 +52,13 @@ class KVCacheManager:
         self.prefix_hits = 0  # of which found cached
 
     # -- prefix cache -------------------------------------------------------------------
+    def _hash_blocks(self, seq: Sequence, num_full: int) -> None:
+        """The block hashes of `seq`'s first `num_full` blocks (those not hashed yet are added)."""
+        req = seq.request
+        extend_block_hashes(
+            seq.block_hashes, seq.token_ids, self.block_size, num_full, req.extra_keys, req.images
+        )
+
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of `seq`, in whole blocks, leaving >= 1 token to compute.
 
@@ -63,9 +70,7 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs  # cap: the last token is always computed
-        extend_block_hashes(
-            seq.block_hashes, seq.token_ids, bs, max_blocks, seq.request.extra_keys, seq.request.images
-        )
+        self._hash_blocks(seq, max_blocks)
         hits: list[KVBlock] = []
         get = self.pool.cached.get
         for block_hash in seq.block_hashes[:max_blocks]:
@@ -96,14 +101,7 @@ class KVCacheManager:
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         done = self.num_cached_blocks.get(seq.seq_id, 0)
         if num_full > done:
-            extend_block_hashes(
-                seq.block_hashes,
-                seq.token_ids,
-                self.block_size,
-                num_full,
-                seq.request.extra_keys,
-                seq.request.images,
-            )
+            self._hash_blocks(seq, num_full)
             self._filling_hashes.update(seq.block_hashes[done:num_full])
             self._filling_seqs.append(seq)
 
@@ -199,14 +197,7 @@ class KVCacheManager:
         done = self.num_cached_blocks.get(seq.seq_id, 0)
         if num_full <= done:
             return
-        extend_block_hashes(
-            seq.block_hashes,
-            seq.token_ids,
-            self.block_size,
-            num_full,
-            seq.request.extra_keys,
-            seq.request.images,
-        )
+        self._hash_blocks(seq, num_full)
         table = self.tables[seq.seq_id]
         for i in range(done, num_full):
             self.pool.cache_block(table[i], seq.block_hashes[i])
