@@ -47,6 +47,9 @@ BASE_OPTIONS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi
 SERIAL_OPTIONS = tuple(o for o in BASE_OPTIONS if o != "-fopenmp") + ("-Wno-unknown-pragmas",)
 PREBUILT_DIR = HERE / "prebuilt"
 VARIANT_ENV = "PAGEDKV_CPU_VARIANT"
+# Comma-separated variant names `prebuild` limits itself to (an image for one CPU class, or a test
+# that needs only the variant this machine picks); unset: every variant of the architecture.
+PREBUILD_ENV = "PAGEDKV_PREBUILD_VARIANTS"
 KEY_VERSION = 1
 
 
@@ -256,18 +259,33 @@ def prebuild(out_dir: Path | None = None, sources_dir: Path = HERE, variants=Non
     """Builds every variant of this machine's architecture into `out_dir` (make setup, pip
     install). A variant the compiler cannot build is skipped with a message; returns the built."""
     out_dir = PREBUILT_DIR if out_dir is None else out_dir
+    variants = _prebuild_variants() if variants is None else variants
     cc = compiler_command()
     if cc is None:
         print("pagedkv: no C compiler: CPU kernels not prebuilt (the worker falls back)", file=sys.stderr)
         return []
     built = []
-    for variant in machine_variants() if variants is None else variants:
+    for variant in variants:
         try:
             compile_variant(variant, out_dir / f"{variant.name}.so", cc, sources_dir)
             built.append(variant.name)
         except CpuKernelBuildError as exc:
             print(f"pagedkv: CPU kernels {variant.name} not prebuilt: {exc}", file=sys.stderr)
     return built
+
+
+def _prebuild_variants() -> list[Variant]:
+    variants = machine_variants()
+    wanted = [name.strip() for name in os.environ.get(PREBUILD_ENV, "").split(",") if name.strip()]
+    if not wanted:
+        return variants
+    unknown = sorted(set(wanted) - {v.name for v in variants})
+    if unknown:
+        names = ", ".join(v.name for v in variants)
+        raise CpuKernelBuildError(
+            f"{PREBUILD_ENV} names {', '.join(unknown)}, not variants of this machine ({names})"
+        )
+    return [v for v in variants if v.name in wanted]
 
 
 # -- at start ----------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ OpenMP) either works or raises CpuKernelBuildError saying why."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -30,12 +32,22 @@ def cc():
 
 
 @pytest.fixture(scope="module")
-def generic_lib(tmp_path_factory):
-    cc = cpu_build.compiler_command()
-    if cc is None:
+def prebuilt(tmp_path_factory):
+    """The module's one gcc build (a variant takes ~50 s): make setup's `prebuild` of a variant the
+    compiler refuses and the generic one. Returns (built names, what it printed, generic.so)."""
+    if cpu_build.compiler_command() is None:
         pytest.skip("no C compiler on this machine")
-    out = tmp_path_factory.mktemp("generic") / "generic.so"
-    return cpu_build.compile_variant(GENERIC, out, cc)
+    out = tmp_path_factory.mktemp("prebuilt")
+    refused = cpu_build.Variant("refused", ("-mno-such-option-anywhere",), frozenset())
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        built = cpu_build.prebuild(out, variants=[refused, GENERIC])
+    return built, printed.getvalue(), out / "generic.so"
+
+
+@pytest.fixture(scope="module")
+def generic_lib(prebuilt):
+    return prebuilt[2]
 
 
 def test_a_build_writes_a_key_and_a_readable_library(generic_lib):
@@ -87,8 +99,15 @@ def test_a_forced_variant_is_checked_against_the_cpu(monkeypatch):
         cpu_build.usable_variants(frozenset())
 
 
-def test_prebuilt_wins_then_a_start_time_build_then_the_cache(monkeypatch, tmp_path, generic_lib):
+def test_prebuilt_wins_then_a_start_time_build_then_the_cache(monkeypatch, tmp_path, generic_lib, cc):
+    """The start-time build runs through CC="launcher gcc -m64": a launcher (standing in for
+    ccache), a compiler and a flag are a command, not a file name."""
     monkeypatch.setenv(cpu_build.VARIANT_ENV, "generic")
+    launcher, calls = tmp_path / "launch", tmp_path / "launch.log"
+    launcher.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec "$@"\n')
+    launcher.chmod(0o755)
+    flag = "-m64" if os.uname().machine == "x86_64" else "-O2"
+    monkeypatch.setenv("CC", f"{launcher} {cc[0]} {flag}")
     prebuilt, cache = tmp_path / "prebuilt", tmp_path / "cache"
     prebuilt.mkdir()
     for suffix in (".so", ".json"):
@@ -97,6 +116,9 @@ def test_prebuilt_wins_then_a_start_time_build_then_the_cache(monkeypatch, tmp_p
     (prebuilt / "generic.json").unlink()  # a prebuilt library without a key is ignored
     path, variant, origin = cpu_build.find_or_build(cache, prebuilt)
     assert (origin, variant.name, path.parent) == ("built at start", "generic", cache)
+    assert any(line.startswith(f"{cc[0]} {flag} ") and "cpu_attention.c" in line
+               for line in calls.read_text().splitlines())  # fmt: skip
+    assert cpu_build.CpuOps(path, "generic", origin).pk_linear is not None
     stamp = path.stat().st_mtime_ns
     again = cpu_build.find_or_build(cache, prebuilt)
     assert again[0] == path and again[2] == "cache" and path.stat().st_mtime_ns == stamp
@@ -114,19 +136,6 @@ def test_an_unwritable_cache_is_a_reason_not_a_traceback(monkeypatch, tmp_path, 
     blocker.write_text("a file where the cache directory should be")
     with pytest.raises(CpuKernelBuildError, match="cannot write CPU kernels to"):
         cpu_build.find_or_build(blocker / "kernels", tmp_path / "empty")
-
-
-def test_a_cc_with_arguments_and_a_launcher_builds(monkeypatch, tmp_path, cc):
-    """CC="ccache gcc -m64": a launcher, a compiler and a flag are a command, not a file name."""
-    monkeypatch.setenv(cpu_build.VARIANT_ENV, "generic")
-    launcher = tmp_path / "launch"  # stands in for ccache: runs the rest of its arguments
-    launcher.write_text('#!/bin/sh\nexec "$@"\n')
-    launcher.chmod(0o755)
-    flag = "-m64" if os.uname().machine == "x86_64" else "-O2"
-    monkeypatch.setenv("CC", f"{launcher} {cc[0]} {flag}")
-    path, _, origin = cpu_build.find_or_build(tmp_path / "cache", tmp_path / "empty")
-    assert origin == "built at start" and path.exists()
-    assert cpu_build.CpuOps(path, "generic", origin).pk_linear is not None
 
 
 def test_clang_builds_the_same_kernels(tmp_path):
@@ -147,12 +156,21 @@ def test_clang_builds_the_same_kernels(tmp_path):
     assert ("single-threaded" in ops.origin) == cpu_build.is_serial(path)
 
 
-def test_prebuild_skips_a_variant_the_compiler_refuses(tmp_path, cc, capsys):
+def test_prebuild_skips_a_variant_the_compiler_refuses(prebuilt):
     """What make setup and pip install run: one variant failing is a message, not a failed install."""
-    refused = cpu_build.Variant("refused", ("-mno-such-option-anywhere",), frozenset())
-    assert cpu_build.prebuild(tmp_path, variants=[refused, GENERIC]) == ["generic"]
-    assert "refused not prebuilt" in capsys.readouterr().err
-    assert cpu_build.key_matches(tmp_path / "generic.so", GENERIC, None)
+    built, printed, generic = prebuilt
+    assert built == ["generic"]
+    assert "refused not prebuilt" in printed
+    assert cpu_build.key_matches(generic, GENERIC, None)
+
+
+def test_prebuild_variants_can_be_named(monkeypatch, tmp_path):
+    monkeypatch.setenv(cpu_build.PREBUILD_ENV, "sparc")
+    with pytest.raises(CpuKernelBuildError, match="PAGEDKV_PREBUILD_VARIANTS names sparc, not variants"):
+        cpu_build.prebuild(tmp_path)
+    monkeypatch.setenv(cpu_build.PREBUILD_ENV, "generic")
+    monkeypatch.setattr(cpu_build, "compile_variant", lambda variant, out, *_: out)
+    assert cpu_build.prebuild(tmp_path) == ["generic"]
 
 
 def test_the_installed_prebuilt_kernels_are_current():
