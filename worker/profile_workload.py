@@ -28,7 +28,7 @@ from base.sampling import SamplingParams
 from worker.batch import ScheduledSequence, blocks_needed, build_model_inputs
 from worker.cuda_graph import DecodeGraphRunner
 from worker.kv_cache import KVCacheSpec, create_kv_cache
-from worker.memory_profile import CudaMemory, breakdown, choose_kv_bytes, measure
+from worker.memory_profile import CudaMemory, DeviceMemory, breakdown, choose_kv_bytes, measure
 from worker.sampler import Sampler, SamplingRow
 from worker.worker_config import WorkerConfig, kv_sizing, resolve_device
 
@@ -132,24 +132,23 @@ class WorkerProfileWorkload:
 
 
 def profiled_kv_bytes(
-    config: WorkerConfig, model: nn.Module, spec: KVCacheSpec, backend, max_model_len: int
+    config: WorkerConfig,
+    model: nn.Module,
+    spec: KVCacheSpec,
+    backend,
+    max_model_len: int,
+    memory: DeviceMemory | None = None,
 ) -> tuple[int, MemoryBreakdown]:
     """CUDA: profile this workload (memory_profile.measure), then the pool's bytes under
-    config.gpu_memory_utilization (an explicit size wins) and the breakdown so far."""
+    config.gpu_memory_utilization (an explicit size wins) and the breakdown so far.
+    `memory` defaults to the CUDA device's figures (tests pass a fake)."""
     device = resolve_device(config.device)
     shape = ProfileShape(config.max_num_batched_tokens, config.cuda_graph_max_batch_size, max_model_len)
+    capture = config.graph_mode != "off" and device.type == "cuda"  # graphs exist on CUDA only
+    vocab = model.config.vocab_size
     use = measure(
-        CudaMemory(device),
-        lambda: WorkerProfileWorkload(
-            model,
-            spec,
-            config.layout,
-            backend,
-            device,
-            shape,
-            model.config.vocab_size,
-            config.graph_mode != "off",
-        ),
+        memory or CudaMemory(device),
+        lambda: WorkerProfileWorkload(model, spec, config.layout, backend, device, shape, vocab, capture),
     )
     if config.layout == KVLayout.PAGED:
         one_sequence = (blocks_needed(max_model_len, spec.block_size) + 1) * spec.bytes_per_block
@@ -160,4 +159,4 @@ def profiled_kv_bytes(
         explicit = config.num_blocks * spec.bytes_per_block
     utilization = config.gpu_memory_utilization
     kv_bytes = choose_kv_bytes(explicit, utilization, use, one_sequence)
-    return kv_bytes, breakdown(kv_sizing(config, device), 0, use.weights, use, utilization)
+    return kv_bytes, breakdown(kv_sizing(config, profiled=True), 0, use.weights, use, utilization)

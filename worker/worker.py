@@ -241,7 +241,7 @@ class Worker:
             return with_kv_bytes(self.memory, pool_bytes)
         fast = self.fast_forward
         weights = fast.resident_weight_bytes if fast is not None else module_bytes(self.model)
-        return breakdown(kv_sizing(self.config, self.device), pool_bytes, weights)
+        return breakdown(kv_sizing(self.config, profiled=False), pool_bytes, weights)
 
     def _prepare_kernels(self) -> None:
         """On CUDA: compile and load the kernels now (a bad geometry or driver fails at start)

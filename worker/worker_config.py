@@ -187,11 +187,11 @@ def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -
     return requested
 
 
-def kv_sizing(config: WorkerConfig, device: torch.device) -> str:
+def kv_sizing(config: WorkerConfig, profiled: bool) -> str:
     """How the KV pool is sized (MemoryBreakdown.sizing): an explicit flag wins; else the
-    profile on CUDA, the fixed default on the CPU."""
+    profile (CUDA), or the fixed default (CPU)."""
     if config.num_blocks is not None:
         return "num_blocks"
     if config.kv_cache_memory is not None:
         return "kv_cache_memory"
-    return "profiled" if device.type == "cuda" else "default"
+    return "profiled" if profiled else "default"
