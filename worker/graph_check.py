@@ -50,16 +50,16 @@ CHECK_SEED = 1234
 
 @dataclass(frozen=True, slots=True)
 class Comparison:
-    max_error: float  # largest |graph - eager| over all rows and tokens
-    bound: float  # the bound of the row where it occurred
+    max_error: float  # |graph - eager| where it is largest relative to its row's bound
+    bound: float  # that row's bound
     row: int  # which check sequence
     token: int  # which vocabulary entry
     ok: bool  # every row within its own bound
 
     def describe(self) -> str:
         return (
-            f"max |graph - eager| {self.max_error:.3g} (bound {self.bound:.3g}) at sequence {self.row}, "
-            f"token {self.token}"
+            f"|graph - eager| {self.max_error:.3g} {'<=' if self.ok else '>'} bound {self.bound:.3g} at "
+            f"sequence {self.row}, token {self.token} (the largest error relative to its row's bound)"
         )
 
 
