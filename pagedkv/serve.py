@@ -231,6 +231,8 @@ def _forward_line(facts) -> str:
     )
     if facts.forward_fallback_reason:
         line += f" (fallback: {facts.forward_fallback_reason})"
+    if facts.cuda_graphs:  # CUDA: graphs or eager decode, and why (the start's self-check)
+        line += f"; decode CUDA graphs {facts.cuda_graphs} ({facts.cuda_graphs_reason})"
     return line
 
 

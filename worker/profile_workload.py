@@ -70,17 +70,17 @@ class WorkerProfileWorkload:
         if layout == KVLayout.PAGED:
             need = max(sum(blocks_needed(n, spec.block_size) for n in self.prefill), shape.max_batch)
             self.pool = create_kv_cache(spec, layout, backend, device, shape.max_model_len, need + 1, 0)
-        else:  # one max-length row per sequence
-            rows = max(len(self.prefill), shape.max_batch)
-            memory = rows * spec.bytes_per_token * shape.max_model_len
+        else:  # one max-length row, which every sequence writes (their K/V are never read back)
+            memory = spec.bytes_per_token * shape.max_model_len
             self.pool = create_kv_cache(spec, layout, backend, device, shape.max_model_len, None, memory)
         self.graphs: DecodeGraphRunner | None = None
 
     def _tables(self, lengths: list[int]) -> list[list[int]]:
-        """Disjoint tables over the stand-in pool: blocks from 1 (paged) or one row each."""
+        """Tables over the stand-in pool: disjoint blocks from 1 (paged); the one row (a
+        contiguous pool's rows are max_model_len each: one per sequence could be gigabytes)."""
         unit = self.pool.addressing_block_size
         if self.pool.layout != KVLayout.PAGED:
-            return [[row] for row in range(len(lengths))]
+            return [[0] for _ in lengths]
         tables, next_block = [], 1
         for n in lengths:
             count = blocks_needed(n, unit)
