@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from base.logs import get_logger
 from base.plan import KVLayout, MemoryBreakdown
 from base.sampling import SamplingParams
 from worker.batch import ScheduledSequence, blocks_needed, build_model_inputs
@@ -31,6 +32,8 @@ from worker.kv_cache import KVCacheSpec, create_kv_cache
 from worker.memory_profile import CudaMemory, DeviceMemory, breakdown, choose_kv_bytes, measure
 from worker.sampler import Sampler, SamplingRow
 from worker.worker_config import WorkerConfig, kv_sizing, resolve_device
+
+log = get_logger("pagedkv.worker")
 
 WORST_SAMPLING = SamplingParams(
     temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=True, top_logprobs=20
@@ -122,7 +125,11 @@ class WorkerProfileWorkload:
         self.graphs = DecodeGraphRunner(
             self.model, self.pool, shape.max_model_len, shape.max_batch, self.device
         )
-        self.graphs.capture_all()
+        try:
+            self.graphs.capture_all()
+        except (RuntimeError, ValueError) as exc:  # the self-check meets it again and decides
+            log.warning("worker.memory_profile_no_graphs", reason=f"graph capture failed: {exc}")
+            self.graphs.invalidate()
 
     def release(self) -> None:
         if self.graphs is not None:

@@ -210,6 +210,33 @@ def test_the_profile_workload_runs_the_real_model_on_a_stand_in_pool(worker):
     assert workload.pool is None
 
 
+def test_a_graph_capture_that_fails_in_the_profile_is_logged_not_fatal(worker, monkeypatch):
+    """The start goes on: the self-check meets the failure again and serves eager (or
+    refuses with --cuda-graph require)."""
+    import worker.profile_workload as profile_workload
+
+    class Failing:
+        def __init__(self, *args):
+            self.invalidated = False
+
+        def capture_all(self):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+        def invalidate(self):
+            self.invalidated = True
+
+    monkeypatch.setattr(profile_workload, "DecodeGraphRunner", Failing)
+    shape = ProfileShape(max_num_batched_tokens=8, max_batch=2, max_model_len=16)
+    workload = WorkerProfileWorkload(
+        worker.model, worker.kv_spec, worker.config.layout, worker.backend, worker.device, shape,
+        worker.model_config.vocab_size, capture=True,
+    )  # fmt: skip
+    with capture_logs() as logs:
+        workload.capture_graphs()
+    assert [e["event"] for e in logs] == ["worker.memory_profile_no_graphs"]
+    assert workload.graphs.invalidated
+
+
 def test_profiled_sizing_on_a_fake_device_then_the_pool_and_report(worker):
     """profiled_kv_bytes with the device's figures faked: the bytes the pool gets, the
     breakdown, the refusal when one max_model_len sequence does not fit, the overrides."""
