@@ -180,6 +180,22 @@ class KVLayout(IntEnum):
 
 
 @dataclass(slots=True, frozen=True)
+class MemoryBreakdown:
+    """Where the worker's memory goes, bytes: mirrors `pagedkv.v1.MemoryBreakdown` (the
+    meaning of each field is documented there)."""
+
+    sizing: str = ""  # "profiled" | "num_blocks" | "kv_cache_memory" | "default"
+    total_bytes: int = 0
+    utilization: float = 0.0
+    weights_bytes: int = 0
+    activation_peak_bytes: int = 0
+    cuda_graph_bytes: int = 0
+    workspace_bytes: int = 0
+    other_bytes: int = 0
+    kv_cache_bytes: int = 0
+
+
+@dataclass(slots=True, frozen=True)
 class ModelFacts:
     """Facts about the served model and its KV cache: the worker reports them, the control
     plane sizes its pool from them and passes them on in the public ModelInfo. Mirrors the
@@ -218,6 +234,10 @@ class ModelFacts:
     # Quantized KV cache (issue 31): see engine.proto ModelFacts.
     kv_cache_dtype: str = ""  # what the KV pools hold: the dtype above, or "fp8_e4m3" | "fp8_e5m2" | "int8"
     kv_cache_scales: str = ""  # how a quantized pool's scales are chosen; "" when not quantized
+    # Start-time memory accounting and the decode path (issue 32): see engine.proto ModelFacts.
+    memory: MemoryBreakdown | None = None
+    cuda_graphs: str = ""  # "on" | "off"; "" off CUDA
+    cuda_graphs_reason: str = ""  # the self-check's outcome, or why graphs are off
 
     @property
     def accepts_images(self) -> bool:

@@ -17,10 +17,13 @@ state; a sampled sequence always has >= 1 token, so "requested" is never empty).
 
 from __future__ import annotations
 
+from dataclasses import asdict, fields
+
 from base.plan import (
     MODEL_FACT_FIELDS,
     ContinuingSequence,
     KVLayout,
+    MemoryBreakdown,
     ModelFacts,
     NewSequence,
     Plan,
@@ -274,6 +277,7 @@ def encode_facts(f: ModelFacts) -> epb.ModelFacts:
     """Copies every ModelFacts field by name (the message and the dataclass match: tested)."""
     values = {name: getattr(f, name) for name in MODEL_FACT_FIELDS}
     values["kv_layout"] = int(KVLayout(f.kv_layout))  # pagedkv.v1.KVLayout has the same values
+    values["memory"] = None if f.memory is None else epb.MemoryBreakdown(**asdict(f.memory))
     return epb.ModelFacts(**values)
 
 
@@ -287,6 +291,11 @@ def decode_facts(m: epb.ModelFacts) -> dict:
         raise ValueError(f"worker reported an unknown KV layout {m.kv_layout}") from None
     values["eos_token_ids"] = tuple(m.eos_token_ids)
     values["tokenizer_kind"] = m.tokenizer_kind or "none"
+    values["memory"] = (
+        MemoryBreakdown(**{f.name: getattr(m.memory, f.name) for f in fields(MemoryBreakdown)})
+        if m.HasField("memory")
+        else None
+    )
     return values
 
 

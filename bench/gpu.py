@@ -316,9 +316,9 @@ def make_step_worker(model: str | None, cuda_graph: bool):
     from worker import Worker, WorkerConfig
 
     blocks = 1 + max(STEP_BATCHES) * step_blocks_per_seq(16) + 8
-    config = WorkerConfig(
-        model=model, device="cuda", cuda_graph=cuda_graph, max_model_len=1024, num_blocks=blocks
-    )
+    # "require": a graph row is never eager in disguise (a failed self-check refuses the start).
+    mode = "require" if cuda_graph else "off"
+    config = WorkerConfig(model=model, device="cuda", cuda_graph=mode, max_model_len=1024, num_blocks=blocks)
     return Worker(config)
 
 

@@ -25,6 +25,7 @@ from pagedkv.cli_flags import (  # argparse value types and flag groups, shared 
     DefaultsFormatter,
     add_client_security_flags,
     add_control_limits,
+    add_cuda_worker_flags,
     add_lifecycle_flags,
     add_logging_flags,
     add_shutdown_grace_flag,
@@ -118,7 +119,7 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
     p.add_argument(
         "--max-model-len", type=positive_int, help="cap on prompt + output tokens (default: model's)"
     )
-    p.add_argument("--no-cuda-graph", action="store_true", help="run decode eagerly (CUDA backend)")
+    add_cuda_worker_flags(p, for_serve)
     p.add_argument(
         "--cpu-kernels",
         choices=("auto", "fast", "reference"),

@@ -159,6 +159,49 @@ def add_lifecycle_flags(p: argparse.ArgumentParser) -> None:
     add_logging_flags(p)
 
 
+def utilization_fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a fraction of the device's memory in (0, 1], got {text}")
+    return value
+
+
+def add_cuda_worker_flags(p: argparse.ArgumentParser, for_serve: bool) -> None:
+    """The CUDA worker's start: decode graphs and their self-check, the memory profile that
+    sizes the KV pool (worker/graph_check.py, worker/memory_profile.py)."""
+    p.add_argument(
+        "--cuda-graph",
+        choices=("off", "on", "require"),
+        default="on",
+        help="CUDA decode graphs: on = captured at start and kept if a replay's logits match eager's "
+        "(else eager, with the reason in the log and model-info); require = the same, but a mismatch "
+        "refuses to start; off = eager decode",
+    )
+    p.add_argument(
+        "--no-cuda-graph",
+        dest="cuda_graph",
+        action="store_const",
+        const="off",
+        default=argparse.SUPPRESS,
+        help="the same as --cuda-graph off",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=utilization_fraction,
+        default=0.90,
+        help="CUDA: fraction of the device's memory the worker sizes itself to; the KV pool gets what a "
+        "profiled start (largest prefill and decode, graphs, sampler) leaves of it. --num-blocks / "
+        "--kv-cache-memory win",
+    )
+    if not for_serve:  # serve passes its scheduler's own
+        p.add_argument(
+            "--max-num-batched-tokens",
+            type=positive_int,
+            default=2048,
+            help="CUDA: the largest prefill the memory profile runs; match the control plane's",
+        )
+
+
 # The control plane's limits and lifecycle: `serve` forwards these to its control child as is.
 CONTROL_LIMIT_FLAGS = (
     "max_queue",

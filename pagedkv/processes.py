@@ -76,8 +76,10 @@ def worker_config_from_args(args):
         kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         seed=args.seed,
-        cuda_graph=not args.no_cuda_graph,
+        cuda_graph=args.cuda_graph,
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         cpu_kernels=args.cpu_kernels,
         lm_head_int8=args.lm_head_int8,
     )
@@ -92,8 +94,6 @@ async def _worker_main(args) -> int:
 
     log = get_logger("pagedkv.worker")
     config = worker_config_from_args(args)
-    if args.no_cuda_graph and not hasattr(config, "cuda_graph"):
-        log.info("worker.flag_ignored", flag="--no-cuda-graph", reason="the worker has no CUDA-graph option")
     security = _server_security(args, log, "worker")
     servicer = WorkerServicer()
     metrics = _start_metrics(args, lambda: WorkerMetrics(servicer))  # first: a bad port fails fast

@@ -65,7 +65,8 @@ def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
     worker = [*base, "worker", "--listen", sock, *logging_flags]
     worker_flags = ["model", "device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "kv_layout"]
     worker_flags += ["kv_cache_dtype"]
-    worker_flags += ["max_model_len", "no_cuda_graph", "cpu_kernels", "lm_head_int8", "shutdown_grace"]
+    worker_flags += ["max_model_len", "cuda_graph", "gpu_memory_utilization", "max_num_batched_tokens"]
+    worker_flags += ["cpu_kernels", "lm_head_int8", "shutdown_grace"]
     worker += _flags(args, worker_flags)
     # Every decode batch the control plane can form then fits a captured graph.
     worker += ["--cuda-graph-max-batch-size", str(args.max_num_seqs)]
@@ -230,6 +231,8 @@ def _forward_line(facts) -> str:
     )
     if facts.forward_fallback_reason:
         line += f" (fallback: {facts.forward_fallback_reason})"
+    if facts.cuda_graphs:  # CUDA: graphs or eager decode, and why (the start's self-check)
+        line += f"; decode CUDA graphs {facts.cuda_graphs} ({facts.cuda_graphs_reason})"
     return line
 
 

@@ -157,6 +157,13 @@ class DecodeGraphRunner:
             return hidden[: len(seqs)]
         return hidden[torch.tensor(sampling_rows, dtype=torch.int64, device=self.device)]
 
+    def capture_all(self) -> None:
+        """Capture every bucket now (start time: memory profile, self-check) instead of at
+        each bucket's first use."""
+        for bucket in self.buckets:
+            if bucket not in self._graphs:
+                self._capture(bucket)
+
     @property
     def num_captured(self) -> int:
         return len(self._graphs)

@@ -45,6 +45,7 @@ from base.plan_codec import decode_plan, encode_result, encode_worker_info
 from base.security import ServerSecurity
 from base.service_registry import MalformedRequest, add_service, checks_malformed
 from base.v1 import worker_pb2, worker_pb2_grpc
+from worker.memory_profile import log_fields as memory_log_fields
 from worker.owner_lease import LeaseHeldError, OwnerLease
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -75,6 +76,14 @@ def geometry_fields(info: WorkerInfo) -> dict:
         "max_model_len": info.max_model_len,
         "vocab_size": info.vocab_size,
         "instance_id": info.instance_id,
+        # Where the memory went and which decode path serves (worker/memory_profile.py,
+        # worker/graph_check.py): the ready line is the operator's record of both.
+        **(memory_log_fields(info.memory) if info.memory is not None else {}),
+        **(
+            {"cuda_graphs": info.cuda_graphs, "cuda_graphs_reason": info.cuda_graphs_reason}
+            if info.cuda_graphs
+            else {}
+        ),
     }
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from base.logs import get_logger
-from base.plan import KVLayout, Plan, SeqOutput, StepResult, WorkerInfo
+from base.plan import KVLayout, MemoryBreakdown, Plan, SeqOutput, StepResult, WorkerInfo
 from base.tokenizer import make_tokenizer
 from kernels.driver import KernelLoadError
 from kernels.nvrtc import KernelCompileError
@@ -34,11 +34,14 @@ from worker.cuda_graph import DecodeGraphRunner
 from worker.cuda_quant import replace_quantized_linears
 from worker.errors import WorkerConfigError
 from worker.grammar_matchers import GrammarMatchers
+from worker.graph_check import GraphDecision, graph_facts, prepare_graphs
 from worker.kv_cache import KVCacheSpec, create_kv_cache
 from worker.kv_quant import describe_scales, resolve_kv_quant
+from worker.memory_profile import breakdown, module_bytes, with_kv_bytes
 from worker.model import CausalLM
 from worker.model_config import load_model_config
 from worker.plan_validation import PlanLimits, validate_plan
+from worker.profile_workload import profiled_kv_bytes
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
 from worker.sampler import Sampler
 from worker.sequence_mirror import SequenceMirrors
@@ -47,8 +50,9 @@ from worker.step_work import apply_plan
 from worker.vision.images import VisionRuntime, check_plan_images
 from worker.vision.vl_model import VisionLanguageLM
 from worker.worker_config import (
+    CPU_DEFAULT_KV_MEMORY,
     WorkerConfig,
-    default_kv_cache_memory,
+    kv_sizing,
     resolve_device,
     resolve_dtype,
     resolve_max_model_len,
@@ -91,7 +95,8 @@ class Worker:
             block_size=config.block_size,
             kv_format=kv_format,
         )
-        memory = config.kv_cache_memory or default_kv_cache_memory(self.device)
+        self._prepare_kernels()  # before the memory profile, which runs them
+        kv_bytes, self.memory = self.kv_cache_bytes()
         self.kv_cache = create_kv_cache(
             self.kv_spec,
             config.layout,
@@ -99,7 +104,7 @@ class Worker:
             self.device,
             self.max_model_len,
             config.num_blocks,
-            memory,
+            kv_bytes,
             self.kv_tensor_scales,
         )
         self.limits = PlanLimits(
@@ -109,8 +114,9 @@ class Worker:
             max_model_len=self.max_model_len,
             contiguous=config.layout == KVLayout.CONTIGUOUS,
         )
-        self.decode_graphs = self._prepare_cuda()
+        self.decode_graphs, self.graph_decision = self._prepare_graphs()
         self.fast_forward = self._prepare_fast_forward()
+        self.memory = self._memory_report()
         if self.fast_forward is None and self.model.quantized:  # the reference runs dense linears
             self.model.materialize_quantized(self.dtype, self.device)
         self.mirrors = SequenceMirrors(self.model_config.vocab_size)
@@ -220,12 +226,28 @@ class Worker:
     def num_sequences(self) -> int:
         return len(self.mirrors)
 
-    def _prepare_cuda(self) -> DecodeGraphRunner | None:
-        """On CUDA: compile and load the kernels now (a bad geometry or driver fails at start),
-        and build the decode graph runner unless graphs are off or the layout is contiguous
-        (whose torch reference attention reads lengths on the host, which a graph cannot)."""
+    def kv_cache_bytes(self) -> tuple[int, MemoryBreakdown | None]:
+        """Bytes for the KV pool (what create_kv_cache consumes; an explicit num_blocks still
+        wins there) and, on CUDA, the profiled breakdown. Call with the weights loaded and the
+        kernels prepared, before any pool exists."""
         if self.device.type != "cuda":
-            return None
+            return self.config.kv_cache_memory or CPU_DEFAULT_KV_MEMORY, None
+        return profiled_kv_bytes(self.config, self.model, self.kv_spec, self.backend, self.max_model_len)
+
+    def _memory_report(self) -> MemoryBreakdown:
+        """ModelFacts.memory: the profile's figures (CUDA) or the weights (CPU), and the pool."""
+        pool_bytes = self.kv_cache.reported_num_blocks * self.kv_spec.bytes_per_block
+        if self.memory is not None:
+            return with_kv_bytes(self.memory, pool_bytes)
+        fast = self.fast_forward
+        weights = fast.resident_weight_bytes if fast is not None else module_bytes(self.model)
+        return breakdown(kv_sizing(self.config, profiled=False), pool_bytes, weights)
+
+    def _prepare_kernels(self) -> None:
+        """On CUDA: compile and load the kernels now (a bad geometry or driver fails at start)
+        and swap quantized linears for their packed-code kernels."""
+        if self.device.type != "cuda":
+            return
         config = self.model_config
         geometry = AttentionGeometry(
             dtype=str(self.dtype).removeprefix("torch."),
@@ -242,10 +264,19 @@ class Worker:
             raise WorkerConfigError(
                 f"the CUDA kernels cannot serve this model on {self.device}: {exc}"
             ) from exc
-        if not self.config.cuda_graph or self.config.layout != KVLayout.PAGED:
-            return None
-        return DecodeGraphRunner(
-            self.model, self.kv_cache, self.max_model_len, self.config.cuda_graph_max_batch_size, self.device
+
+    def _prepare_graphs(self) -> tuple[DecodeGraphRunner | None, GraphDecision | None]:
+        if self.device.type != "cuda":
+            return None, None
+        config = self.config
+        return prepare_graphs(
+            config.graph_mode,
+            config.layout,
+            lambda: DecodeGraphRunner(
+                self.model, self.kv_cache, self.max_model_len, config.cuda_graph_max_batch_size, self.device
+            ),
+            self.model_config.vocab_size,
+            self.dtype,
         )
 
     def _prepare_fast_forward(self) -> FastCpuForward | None:
@@ -316,6 +347,8 @@ class Worker:
             quantization=self._quantization(),
             kv_cache_dtype=self.kv_spec.kv_cache_dtype,
             kv_cache_scales=describe_scales(self.kv_spec.kv_format, self.kv_tensor_scales),
+            memory=self.memory,
+            **graph_facts(self.graph_decision),
             tokenizer_json=tokenizer_json,
             **self._image_facts(),
         )

@@ -7,8 +7,8 @@ device           "cpu" (reference backend) or "cuda[:N]" (kernels).
 dtype            None / "auto" -> the checkpoint's dtype; or float32 / float16 / bfloat16.
 block_size       tokens per KV block, a power of two.
 num_blocks       explicit pool size (including the null block); wins over kv_cache_memory.
-kv_cache_memory  KV budget in bytes; default 256 MiB on CPU, on CUDA a fraction of the
-                 memory left free after the weights are loaded.
+kv_cache_memory  KV budget in bytes; default 256 MiB on CPU, on CUDA what the memory
+                 profile leaves under gpu_memory_utilization.
 kv_layout        "paged" or "contiguous" (the baseline).
 kv_cache_dtype   "auto" (the model's dtype) or a quantized KV cache: "fp8_e4m3", "fp8_e5m2",
                  "int8" (1-byte codes + a scale byte per token and kv head: ~2x the blocks of
@@ -17,8 +17,19 @@ kv_cache_dtype   "auto" (the model's dtype) or a quantized KV cache: "fp8_e4m3",
 max_model_len    cap on positions per sequence; default and ceiling: the model's
                  max_position_embeddings.
 seed             seed of the sampler's generator for requests without their own seed.
-cuda_graph       capture decode steps in CUDA graphs (CUDA device, paged layout only);
-                 `pagedkv worker --no-cuda-graph` turns it off (eager decode).
+cuda_graph       "on" (default): capture decode steps in CUDA graphs (CUDA device, paged
+                 layout only) and keep them if the start-time self-check finds a replay's
+                 logits equal to eager's within the tolerance (worker/graph_check.py), else
+                 serve eager and say why; "require": the same, but a failed self-check
+                 refuses to start; "off": eager decode. True / False mean "on" / "off".
+                 `pagedkv worker --cuda-graph off|on|require` (--no-cuda-graph = off).
+gpu_memory_utilization
+                 CUDA: the fraction of the device's memory the worker sizes itself to; the
+                 KV pool gets what a profiled start leaves of it (worker/memory_profile.py).
+                 An explicit num_blocks or kv_cache_memory wins. Ignored on the CPU.
+max_num_batched_tokens
+                 the largest prefill the control plane sends in one step: what the CUDA
+                 memory profile runs (`serve` passes its own --max-num-batched-tokens).
 cpu_kernels      "auto" (default): the fused CPU forward (worker.cpu_forward: panel GEMMs and C
                  kernels, prebuilt at install or built at start) when it can run here, else
                  the reference, with one warning saying why; "fast": the fused forward or
@@ -31,7 +42,8 @@ lm_head_int8     hold a dense lm_head (or a tied embedding) as int8 codes, one s
 cuda_graph_max_batch_size
                  largest decode batch run through a graph (buckets 1, 2, 4, ... up to it);
                  bigger decode batches and every step with a prefill run eagerly. Match the
-                 control plane's max_num_seqs (default 64) to graph every decode step.
+                 control plane's max_num_seqs (default 64) to graph every decode step. Also
+                 the decode batch (and sampler batch) the CUDA memory profile runs.
 """
 
 from __future__ import annotations
@@ -48,8 +60,8 @@ from worker.kv_quant import KV_CACHE_DTYPES
 from worker.model_config import SUPPORTED_DTYPES
 
 CPU_DEFAULT_KV_MEMORY = 256 << 20
-CUDA_KV_MEMORY_FRACTION = 0.8  # of the device memory still free once the weights are loaded
-CUDA_ACTIVATION_RESERVE = 1 << 30  # left for activations, logits and the allocator's slack
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
+CUDA_GRAPH_MODES = ("off", "on", "require")
 RANDOM_MODEL_PREFIX = "random:"
 KV_LAYOUTS = {"paged": KVLayout.PAGED, "contiguous": KVLayout.CONTIGUOUS}
 CPU_KERNELS = ("auto", "fast", "reference")
@@ -66,8 +78,10 @@ class WorkerConfig:
     kv_layout: str = "paged"
     max_model_len: int | None = None
     seed: int = 0
-    cuda_graph: bool = True
+    cuda_graph: str | bool = "on"  # "off" | "on" | "require" (bools: "on" / "off")
     cuda_graph_max_batch_size: int = 64
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    max_num_batched_tokens: int = 2048
     cpu_kernels: str = "auto"
     lm_head_int8: bool = False
     kv_cache_dtype: str = "auto"
@@ -97,6 +111,16 @@ class WorkerConfig:
             raise WorkerConfigError(
                 f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}"
             )
+        if self.graph_mode not in CUDA_GRAPH_MODES:
+            raise WorkerConfigError(
+                f"cuda_graph must be one of {', '.join(CUDA_GRAPH_MODES)}, got {self.cuda_graph!r}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise WorkerConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_num_batched_tokens < 1:
+            raise WorkerConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise WorkerConfigError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
@@ -105,6 +129,13 @@ class WorkerConfig:
             raise WorkerConfigError(
                 f"dtype must be 'auto' or one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}"
             )
+
+    @property
+    def graph_mode(self) -> str:
+        """cuda_graph as "off" | "on" | "require" (a bool means "on" / "off")."""
+        if isinstance(self.cuda_graph, bool):
+            return "on" if self.cuda_graph else "off"
+        return self.cuda_graph
 
     @property
     def layout(self) -> KVLayout:
@@ -156,15 +187,11 @@ def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -
     return requested
 
 
-def default_kv_cache_memory(device: torch.device) -> int:
-    """Bytes for the KV pool when neither num_blocks nor kv_cache_memory is given. Call it
-    after the weights are on the device, so the free memory it sees excludes them."""
-    if device.type != "cuda":
-        return CPU_DEFAULT_KV_MEMORY
-    free_bytes, _ = torch.cuda.mem_get_info(device)
-    budget = int(free_bytes * CUDA_KV_MEMORY_FRACTION) - CUDA_ACTIVATION_RESERVE
-    if budget <= 0:
-        raise WorkerConfigError(
-            f"only {free_bytes >> 20} MiB free on {device} after loading the weights: no room for a KV cache"
-        )
-    return budget
+def kv_sizing(config: WorkerConfig, profiled: bool) -> str:
+    """How the KV pool is sized (MemoryBreakdown.sizing): an explicit flag wins; else the
+    profile (CUDA), or the fixed default (CPU)."""
+    if config.num_blocks is not None:
+        return "num_blocks"
+    if config.kv_cache_memory is not None:
+        return "kv_cache_memory"
+    return "profiled" if profiled else "default"

@@ -294,7 +294,12 @@ def test_deploy_flag_names_parse():
         "--kv-cache-memory 2Gi --kv-layout paged --dtype bfloat16 --max-model-len 4096 --no-cuda-graph "
         "--log-format json --log-level INFO".split()
     )
-    assert (w.kv_cache_memory, w.no_cuda_graph, w.log_level) == (2 * 2**30, True, "info")
+    assert (w.kv_cache_memory, w.cuda_graph, w.log_level) == (2 * 2**30, "off", "info")
+    w = p.parse_args("worker --cuda-graph require --gpu-memory-utilization 0.8".split())
+    assert (w.cuda_graph, w.gpu_memory_utilization, w.max_num_batched_tokens) == ("require", 0.8, 2048)
+    for bad in ("--gpu-memory-utilization 0", "--gpu-memory-utilization 1.5", "--cuda-graph maybe"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["worker", *bad.split()])
     c = p.parse_args(
         "control --worker unix:///run/pagedkv/worker.sock --listen 0.0.0.0:50051 --max-num-seqs 8 "
         "--max-num-batched-tokens 512 --no-prefix-caching --policy latency --max-queue 64 "
@@ -316,9 +321,11 @@ def test_parse_bytes(text, value):
 def test_serve_sizes_the_workers_cuda_graphs_from_max_num_seqs(tmp_path):
     from pagedkv.serve import child_commands
 
-    args = build_parser().parse_args(["serve", "--max-num-seqs", "8", "--no-cuda-graph"])
-    worker, control, _ = child_commands(args, tmp_path)
+    argv = "serve --max-num-seqs 8 --no-cuda-graph --max-num-batched-tokens 512 --gpu-memory-utilization 0.5"
+    worker, control, _ = child_commands(build_parser().parse_args(argv.split()), tmp_path)
     assert worker[worker.index("--cuda-graph-max-batch-size") + 1] == "8"
-    assert "--no-cuda-graph" in worker and "--no-cuda-graph" not in control
+    assert "--cuda-graph" in worker and "--cuda-graph" not in control
     worker_args = build_parser().parse_args(worker[worker.index("worker") :])
-    assert (worker_args.cuda_graph_max_batch_size, worker_args.no_cuda_graph) == (8, True)
+    assert (worker_args.cuda_graph_max_batch_size, worker_args.cuda_graph) == (8, "off")
+    # The memory profile runs the control plane's largest prefill and batch.
+    assert (worker_args.max_num_batched_tokens, worker_args.gpu_memory_utilization) == (512, 0.5)
