@@ -118,7 +118,7 @@ class SchedulerBeams:
             n = min(seq.num_tokens - num_hit, share, cap or share)
             chunks.append((seq, hits, num_hit, n))
             need += self.kv.num_blocks_needed(num_hit + n) - len(hits)
-            revived.update((b.block_id, b) for b in hits if b.ref_cnt == 0)
+            revived.update((b.block_id, b) for b in hits if b.ref_cnt == 0 and b.block_id)  # (0: released)
         if need + len(revived) > self.kv.pool.num_free_blocks:
             return None
         self._pop_waiting(req, len(members))
