@@ -48,14 +48,15 @@ def sim_candidates(context: list[int], k: int, vocab_size: int) -> tuple[list[in
     return tokens, logprobs
 
 
-def reference_beams(prompt: list[int], search, vocab_size: int):
+def reference_beams(prompt: list[int], search, vocab_size: int, window: int = 0):
     """What a correct engine returns for a beam search (`control_plane.beam_search.BeamSearch`,
     fresh), with no paging involved: its finished hypotheses, best first."""
     beams = [Beam([], [])]
     while True:
+        contexts = [(prompt + b.token_ids)[-window:] if window else prompt + b.token_ids for b in beams]
         candidates = [
-            list(zip(*sim_candidates(prompt + b.token_ids, search.num_candidates, vocab_size), strict=True))
-            for b in beams
+            list(zip(*sim_candidates(context, search.num_candidates, vocab_size), strict=True))
+            for context in contexts
         ]
         chosen = search.step(beams, candidates)
         if search.done:
