@@ -12,12 +12,13 @@ and the worker refuses releases its model or the window does not allow."""
 from __future__ import annotations
 
 import pytest
-import torch
+from hypothesis import HealthCheck, example, given, settings
 
 from base.plan import NULL_BLOCK_ID, ContinuingSequence, Plan, SamplingParams
 from control_plane.engine import EngineCore
 from control_plane.invariants import check_all_free
 from control_plane.scheduler_config import SchedulerConfig
+from tests.worker.test_engine_fuzz import CHUNKED_FAN_OUT, SHORT_FAN_OUTS, check_workload, workloads
 from worker.errors import PlanError
 from tests.worker.worker_test_utils import (
     CheckpointSpec,
@@ -41,6 +42,10 @@ WINDOWED = {
 }
 
 
+# The engine fuzz's sequences reach 32 tokens: a window of 3 releases blocks of every size it draws.
+FUZZED = {"mistral-3": CheckpointSpec("MistralConfig", {"sliding_window": 3, "head_dim": 16})}
+
+
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory):
     built = {}
@@ -48,7 +53,7 @@ def windowed(tmp_path_factory):
     def get(name: str):
         if name not in built:
             path = tmp_path_factory.mktemp(name)
-            built[name] = (build_checkpoint(path, WINDOWED[name]), path)
+            built[name] = (build_checkpoint(path, {**WINDOWED, **FUZZED}[name]), path)
         return built[name]
 
     return get
@@ -218,3 +223,16 @@ def test_released_entries_never_come_back(windowed):
     assert worker.mirrors.block_refs(driver.seqs[1].table[0]) == 0
     with pytest.raises(PlanError, match="below the 2 already released"):
         worker.execute(_released_plan(driver.next_step + 1, 21, 1))
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(wl=workloads())
+@example(wl=CHUNKED_FAN_OUT)
+@example(wl=SHORT_FAN_OUTS)
+def test_the_engine_fuzz_holds_with_released_blocks(windowed, wl):
+    """tests/worker/test_engine_fuzz.py's properties on a model windowed in every layer: every
+    plan (releases included) accepted, invariants at every step (exactly the entries before
+    each window released), the same tokens under preemption, overlap, n > 1, beams, prefix
+    hits and speculation, and nothing leaked."""
+    _, path = windowed("mistral-3")
+    check_workload(path, wl)
