@@ -75,10 +75,19 @@ class GeometrySim(SimWorker):
 
     def __init__(self, real_info, window: int = 0) -> None:
         super().__init__(
-            real_info.num_blocks, real_info.block_size, 512, real_info.max_model_len, verify=False, window=window
+            real_info.num_blocks,
+            real_info.block_size,
+            512,
+            real_info.max_model_len,
+            verify=False,
+            window=window,
         )
         self._info = dataclasses.replace(
-            real_info, instance_id=self._info.instance_id, device="sim", eos_token_ids=(), sliding_window=window
+            real_info,
+            instance_id=self._info.instance_id,
+            device="sim",
+            eos_token_ids=(),
+            sliding_window=window,
         )
 
 
@@ -121,7 +130,11 @@ def sliding_window_figures(mix: list[tuple[int, int]]) -> dict:
     prompt_len = 32
     for name, w in (("window", window), ("full", 0)):
         engine = EngineCore(GeometrySim(info, w), SchedulerConfig(), check_invariants=False)
-        engine.add_request("long", list(range(prompt_len)), SamplingParams(max_tokens=8 * window - prompt_len, ignore_eos=True))
+        engine.add_request(
+            "long",
+            list(range(prompt_len)),
+            SamplingParams(max_tokens=8 * window - prompt_len, ignore_eos=True),
+        )
         most = 0
         while engine.has_work():
             engine.step()
@@ -133,7 +146,9 @@ def sliding_window_figures(mix: list[tuple[int, int]]) -> dict:
     for w in WINDOWS:
         run_ = simulate(info, mix, rows=None, window=w)
         res[f"mix_window{w}_mean_running_saturated"] = run_["mean_running_saturated"]
-        res[f"mix_window{w}_running_vs_full"] = run_["mean_running_saturated"] / base["mean_running_saturated"]
+        res[f"mix_window{w}_running_vs_full"] = (
+            run_["mean_running_saturated"] / base["mean_running_saturated"]
+        )
         res[f"mix_window{w}_steps_vs_full"] = run_["steps"] / base["steps"]
         res[f"mix_window{w}_all_completed"] = run_["all_completed"]
     return res
@@ -142,7 +157,9 @@ def sliding_window_figures(mix: list[tuple[int, int]]) -> dict:
 def simulate(info, mix: list[tuple[int, int]], rows: int | None, window: int = 0) -> dict:
     """Run the mix to completion; sample running count, held/used blocks and waste per step.
     `window` > 0: a model windowed in every layer (released blocks are not held)."""
-    engine = EngineCore(GeometrySim(info, window), SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=4096))
+    engine = EngineCore(
+        GeometrySim(info, window), SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=4096)
+    )
     rng = random.Random(1)
     for i, (p, o) in enumerate(mix):
         tokens = [rng.randrange(256) for _ in range(p)]

@@ -52,7 +52,9 @@ def check_scheduler(sched) -> None:
         check_released(kv, seq, table)
         for block in table[kv.num_released.get(seq_id, 0) :]:
             if block.block_id == NULL_BLOCK_ID:
-                raise AssertionError(f"sequence {seq_id} table contains the null block past its released entries")
+                raise AssertionError(
+                    f"sequence {seq_id} table contains the null block past its released entries"
+                )
             refs[block.block_id] += 1
         if len(table) * kv.block_size < seq.num_computed_tokens:
             raise AssertionError(f"sequence {seq_id}: table too short for its computed tokens")

@@ -44,7 +44,9 @@ _NO_CHANGE = Allocation()
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, window: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, window: int = 0
+    ) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.block_size = block_size
@@ -181,7 +183,9 @@ class KVCacheManager:
             return _NO_CHANGE
         cow = [i for i in range(first_write, min(-(-end // bs), len(table))) if not _writable(table[i])]
         null = self.pool.null_block
-        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0 and b is not null) if computed_blocks else 0
+        num_revived = (
+            sum(1 for b in computed_blocks if b.ref_cnt == 0 and b is not null) if computed_blocks else 0
+        )
         if max(num_needed, 0) + len(cow) > self.pool.num_free_blocks - num_revived:
             return None
         alloc = Allocation()

@@ -224,9 +224,9 @@ class _PlanChecker:
         window, block_size = self.limits.window, self.limits.block_size
         if not window:
             raise self.fail(
-                f"releases {num} leading table entries (the null block 0), but this worker's model has a layer that attends "
-                "to the whole context (or the layout is contiguous): only a model windowed in every "
-                "layer frees blocks (ModelFacts.sliding_window)",
+                f"releases {num} leading table entries (the null block 0), but this worker's model has "
+                "a layer that attends to the whole context (or the layout is contiguous): only a model "
+                "windowed in every layer frees blocks (ModelFacts.sliding_window)",
                 seq_id,
             )
         if num < before:

@@ -36,7 +36,9 @@ def record_held(engine: EngineCore) -> list[tuple[int, int, int]]:
     def recording():
         plan = schedule()
         for item in (*plan.new, *plan.continuing):
-            seen.append((item.start_pos, item.start_pos + item.num_inputs, sched.kv.num_blocks_held(item.seq_id)))
+            seen.append(
+                (item.start_pos, item.start_pos + item.num_inputs, sched.kv.num_blocks_held(item.seq_id))
+            )
         return plan
 
     sched.schedule = recording
@@ -49,7 +51,9 @@ def expected_held(start: int, end: int, window: int, block_size: int) -> int:
     return -(-end // block_size) - max(start - window + 1, 0) // block_size
 
 
-@pytest.mark.parametrize(("window", "block_size", "in_flight"), [(32, 16, 1), (32, 16, 2), (20, 4, 1), (7, 4, 3)])
+@pytest.mark.parametrize(
+    ("window", "block_size", "in_flight"), [(32, 16, 1), (32, 16, 2), (20, 4, 1), (7, 4, 3)]
+)
 def test_a_generation_to_8x_the_window_holds_a_window_of_blocks_at_every_step(window, block_size, in_flight):
     prompt = [(5 * i + 1) % VOCAB for i in range(window + 5)]  # the prefill already slides
     max_tokens = 8 * window
@@ -225,7 +229,8 @@ def test_the_request_check_counts_what_a_windowed_sequence_holds():
     engine, _ = make_engine(
         num_blocks=12, block_size=4, vocab=VOCAB, window=8, max_num_batched_tokens=16, max_model_len=256
     )
-    engine.add_request("long", [1] * 20, SamplingParams(max_tokens=100, ignore_eos=True))  # 30 blocks at full length
+    long_request = SamplingParams(max_tokens=100, ignore_eos=True)  # 30 blocks at full length
+    engine.add_request("long", [1] * 20, long_request)
     tokens = engine.run_to_completion()
     assert len(tokens[("long", 0)]) == 100
     check_all_free(engine.scheduler)

@@ -19,7 +19,6 @@ from control_plane.engine import EngineCore
 from control_plane.invariants import check_all_free
 from control_plane.scheduler_config import SchedulerConfig
 from tests.worker.test_engine_fuzz import CHUNKED_FAN_OUT, SHORT_FAN_OUTS, check_workload, workloads
-from worker.errors import PlanError
 from tests.worker.worker_test_utils import (
     CheckpointSpec,
     PlanDriver,
@@ -27,7 +26,7 @@ from tests.worker.worker_test_utils import (
     hf_greedy,
     make_worker,
 )
-from worker.errors import ModelLoadError
+from worker.errors import ModelLoadError, PlanError
 from worker.model_config import parse_model_config
 
 WINDOW = 8
@@ -135,7 +134,9 @@ def poison_null_block(worker) -> None:
 
 @pytest.mark.parametrize("cpu_kernels", ["fast", "reference"])
 @pytest.mark.parametrize(("name", "in_flight"), [("mistral", 1), ("mistral", 2), ("qwen3-all", 1)])
-def test_a_generation_to_8x_the_window_frees_blocks_and_equals_hugging_face(windowed, name, in_flight, cpu_kernels):
+def test_a_generation_to_8x_the_window_frees_blocks_and_equals_hugging_face(
+    windowed, name, in_flight, cpu_kernels
+):
     hf_model, path = windowed(name)
     prompt = [(7 * i + 3) % 120 for i in range(29)]
     max_tokens = 8 * WINDOW
@@ -151,7 +152,9 @@ def test_a_generation_to_8x_the_window_frees_blocks_and_equals_hugging_face(wind
 
     def recording():
         plan = schedule()
-        most.extend((item.start_pos, kv.num_blocks_held(item.seq_id)) for item in (*plan.new, *plan.continuing))
+        most.extend(
+            (item.start_pos, kv.num_blocks_held(item.seq_id)) for item in (*plan.new, *plan.continuing)
+        )
         return plan
 
     engine.scheduler.schedule = recording
@@ -200,7 +203,9 @@ def _released_plan(step_id: int, start: int, released: int, new_blocks=()) -> Pl
         ("mistral", 6, 20, "of a table of 5"),
     ],
 )
-def test_the_worker_refuses_releases_its_model_or_the_window_does_not_allow(windowed, name, released, start, message):
+def test_the_worker_refuses_releases_its_model_or_the_window_does_not_allow(
+    windowed, name, released, start, message
+):
     _, path = windowed(name)
     worker = make_worker(path, BLOCK)
     driver = PlanDriver(worker)
