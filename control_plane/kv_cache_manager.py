@@ -211,6 +211,13 @@ class KVCacheManager:
             alloc.num_new_blocks += num_needed
         return alloc
 
+    def release_before_window(self, seq: Sequence) -> None:
+        """Release what `seq`'s next step (from num_computed_tokens on) no longer reads, ahead of
+        allocate_slots (which does it too): a group's count then sees the blocks its members free."""
+        table = self.tables.get(seq.seq_id)
+        if self.window and table:
+            self._release_before(seq, table, seq.num_computed_tokens)
+
     def _release_before(self, seq: Sequence, table: list[KVBlock], start: int) -> None:
         """Release the entries wholly before `start`'s window (full known blocks are cached
         first, so they stay evictable prefix hits)."""
@@ -239,7 +246,8 @@ class KVCacheManager:
 
     def num_blocks_to_allocate(self, work: list[tuple[Sequence, int]]) -> int:
         """Free blocks that `allocate_slots(seq, n)` for every (seq, n) in `work`, in any
-        order, takes: new blocks past each table's end plus copies-on-write. A shared block
+        order, takes: new blocks past each table's end plus copies-on-write (a window's releases
+        are not credited: call release_before_window first). A shared block
         that w of them write into copies w times, or w - 1 when they are all its holders (the
         last writer then owns it)."""
         bs = self.block_size

@@ -65,6 +65,8 @@ class SchedulerBeams:
             cap = self.config.long_prefill_token_threshold
             work = [(s, n if n == 1 else min(n, share, cap or n)) for s, n in work]
         preempted = False
+        for seq, _ in work:  # a sliding window: what the group frees counts before what it takes
+            self.kv.release_before_window(seq)
         while self.kv.num_blocks_to_allocate(work) > self.kv.pool.num_free_blocks and len(running) > j:
             reserve -= self._preempt_last()
             preempted = True
