@@ -14,6 +14,8 @@ exactly the entries before each step's window are released, and says so in the p
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from base.plan import NULL_BLOCK_ID, SamplingParams
 from control_plane.beam_search import BeamSearch
@@ -23,6 +25,7 @@ from control_plane.scheduler_config import SchedulerConfig
 from control_plane.sim_worker import SimWorker, reference_beams, reference_tokens
 from control_plane.speculation import SpeculativeConfig
 from tests.control_plane.helpers import make_engine
+from tests.control_plane.test_beam_scheduling import beam_workloads, run_and_check
 
 VOCAB = 50
 
@@ -186,6 +189,15 @@ def test_a_child_whose_blocks_left_the_cache_recomputes():
         assert tokens[("r", index)] == reference_tokens(prompt, index, 20, VOCAB, window=window)
     check_all_free(engine.scheduler)
     assert not worker.tables
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=beam_workloads(), window=st.sampled_from([1, 3, 5, 9]))
+def test_random_beam_workloads_with_a_window_match_the_unpaged_reference(workload, window):
+    """tests/control_plane/test_beam_scheduling.py's workloads (beams and samples over shared
+    stems on a tight pool: evictions, preemption of whole groups, 1-3 plans in flight) with a
+    window: beams share released entries and free what they all left behind."""
+    run_and_check(*workload, window=window)
 
 
 def test_beam_search_with_a_window_matches_the_reference():
