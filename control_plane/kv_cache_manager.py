@@ -12,7 +12,8 @@ step computing positions from `start` on reads keys from start - window + 1 on, 
 entries wholly before that are released -- the block is freed (still cached if full and
 hashed) and the entry becomes the null block, which keeps indices = positions // block_size:
 
-    window 20, start 50:  [ null | null | block 12 (32..47, 50-19=31.. needs 32 on) | block 4 ]
+    window 20, a step from position 53 reads 34..53:
+    table:      [ null          | null          | block 12 (32..47) | block 4 (48..53) ]
 
 Invariants (see control_plane.invariants):
   - sum of ref counts == number of table entries pointing at real blocks;
