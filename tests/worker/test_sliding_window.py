@@ -230,7 +230,7 @@ def test_released_entries_never_come_back(windowed):
         worker.execute(_released_plan(driver.next_step + 1, 21, 1))
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(wl=workloads())
 @example(wl=CHUNKED_FAN_OUT)
 @example(wl=SHORT_FAN_OUTS)
