@@ -12,7 +12,7 @@ and the worker refuses releases its model or the window does not allow."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 
 from base.plan import NULL_BLOCK_ID, ContinuingSequence, Plan, SamplingParams
 from control_plane.engine import EngineCore
@@ -241,3 +241,14 @@ def test_the_engine_fuzz_holds_with_released_blocks(windowed, wl):
     hits and speculation, and nothing leaked."""
     _, path = windowed("mistral-3")
     check_workload(path, wl)
+
+
+@settings(phases=[Phase.explicit], deadline=None)
+@given(wl=workloads())
+@example(wl=CHUNKED_FAN_OUT)
+@example(wl=SHORT_FAN_OUTS)
+def test_released_blocks_of_an_int8_cache_keep_the_accounting_and_the_tokens(windowed, wl):
+    """The same two fan-out workloads over an int8 KV cache: released blocks carry scale bytes
+    the kernels must never read either."""
+    _, path = windowed("mistral-3")
+    check_workload(path, wl, kv_cache_dtype="int8")
