@@ -27,7 +27,8 @@ Slots are never sent: the worker derives slot = table[pos // block_size] * block
 Worker order of operations for one plan (all validated first; a bad plan changes nothing):
   1. drop the mirrors of `finished` sequences;
   2. register `new` sequences (full tables) and apply `continuing` deltas
-     (`replaced` entries first, then `new_block_ids` appended);
+     (released leading entries become the null block, then `replaced` entries, then
+     `new_block_ids` appended);
   3. perform `copies` (src -> dst, every layer) -- copy-on-write happens before any KV write;
   4. forward all scheduled tokens (KV written by slot, attention over the paged KV);
   5. sample for each sequence whose `sample` is set.
@@ -65,7 +66,10 @@ class NewSequence:
     or forked from a parent (n > 1, beam search). Carries its whole block table."""
 
     seq_id: int
-    block_ids: list[int]  # the full table; covers at least start_pos + len(token_ids) slots
+    # The full table; covers at least start_pos + len(token_ids) slots. Sliding window (every
+    # layer windowed): leading entries wholly before start_pos's window may be the null block
+    # (released; see ContinuingSequence.num_released_blocks).
+    block_ids: list[int]
     token_ids: list[int]  # tokens to compute this step (a prompt chunk, or one decode token)
     start_pos: int  # position of token_ids[0]; earlier positions are already in the KV cache
     sampling: SamplingParams
@@ -116,6 +120,12 @@ class ContinuingSequence:
     # run of proposals its samples agree with plus the sample after them, and rolls the rest
     # back (positions and table entries past them): see SeqOutput and control_plane/speculation.py.
     num_speculative_tokens: int = 0
+    # Sliding window (ModelFacts.sliding_window > 0): the table's first this many entries are
+    # released -- the worker makes them the null block before anything else in the step (their
+    # blocks may serve another sequence in this same plan). Absolute, never decreasing; they
+    # lie wholly before start_pos's window: num_released_blocks * block_size
+    # <= start_pos - sliding_window + 1.
+    num_released_blocks: int = 0
 
     @property
     def num_inputs(self) -> int:
@@ -238,6 +248,9 @@ class ModelFacts:
     memory: MemoryBreakdown | None = None
     cuda_graphs: str = ""  # "on" | "off"; "" off CUDA
     cuda_graphs_reason: str = ""  # the self-check's outcome, or why graphs are off
+    # Sliding window (issue 31): every layer attends to only the last this many positions, so the
+    # control plane releases blocks wholly before it; 0 when some layer sees the whole context.
+    sliding_window: int = 0
 
     @property
     def accepts_images(self) -> bool:

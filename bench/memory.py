@@ -20,6 +20,12 @@ Quantized KV cache (issue 31): the same mix, paged, at the same budget with a bf
 cache is bf16 (the baseline) or quantized (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2 / int8): blocks
 and mean running sequences while requests wait, as ratios to bf16's.
 
+Sliding window (issue 31): the default model's geometry reported as windowed in every layer
+(`sliding_window` W, as a Mistral-style model of that geometry reports it), so the control
+plane releases the blocks before each step's window. One sequence generating to 8 x W: the
+most blocks it holds at any step vs the goal W / block_size + 2 (and vs no window); and the
+mix above at the same budget, mean running sequences while requests wait, vs no window.
+
 Run: `python -m bench.memory [--quick]`.
 """
 
@@ -67,12 +73,21 @@ def request_mix(count: int, seed: int = 0) -> list[tuple[int, int]]:
 class GeometrySim(SimWorker):
     """A SimWorker that reports a real worker's pool geometry (layout, rows, blocks)."""
 
-    def __init__(self, real_info) -> None:
+    def __init__(self, real_info, window: int = 0) -> None:
         super().__init__(
-            real_info.num_blocks, real_info.block_size, 512, real_info.max_model_len, verify=False
+            real_info.num_blocks,
+            real_info.block_size,
+            512,
+            real_info.max_model_len,
+            verify=False,
+            window=window,
         )
         self._info = dataclasses.replace(
-            real_info, instance_id=self._info.instance_id, device="sim", eos_token_ids=()
+            real_info,
+            instance_id=self._info.instance_id,
+            device="sim",
+            eos_token_ids=(),
+            sliding_window=window,
         )
 
 
@@ -103,9 +118,48 @@ def quantized_kv_figures(mix: list[tuple[int, int]]) -> dict:
     return res
 
 
-def simulate(info, mix: list[tuple[int, int]], rows: int | None) -> dict:
-    """Run the mix to completion; sample running count, held/used blocks and waste per step."""
-    engine = EngineCore(GeometrySim(info), SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=4096))
+WINDOWS = (256, 512)
+
+
+def sliding_window_figures(mix: list[tuple[int, int]]) -> dict:
+    """Blocks one sequence holds generating to 8 x the window, and the mix's concurrency."""
+    info = _real_geometry("paged")
+    bs = info.block_size
+    res: dict = {}
+    window = WINDOWS[0]
+    prompt_len = 32
+    for name, w in (("window", window), ("full", 0)):
+        engine = EngineCore(GeometrySim(info, w), SchedulerConfig(), check_invariants=False)
+        engine.add_request(
+            "long",
+            list(range(prompt_len)),
+            SamplingParams(max_tokens=8 * window - prompt_len, ignore_eos=True),
+        )
+        most = 0
+        while engine.has_work():
+            engine.step()
+            most = max([most, *(engine.scheduler.kv.num_blocks_held(s) for s in engine.scheduler.kv.tables)])
+        res[f"one_seq_8x_window_{name}_max_blocks_held"] = most
+    res.update(one_seq_window=window, one_seq_tokens=8 * window, one_seq_bound=window // bs + 2)
+    base = simulate(info, mix, rows=None)
+    res["mix_full_mean_running_saturated"] = base["mean_running_saturated"]
+    for w in WINDOWS:
+        run_ = simulate(info, mix, rows=None, window=w)
+        res[f"mix_window{w}_mean_running_saturated"] = run_["mean_running_saturated"]
+        res[f"mix_window{w}_running_vs_full"] = (
+            run_["mean_running_saturated"] / base["mean_running_saturated"]
+        )
+        res[f"mix_window{w}_steps_vs_full"] = run_["steps"] / base["steps"]
+        res[f"mix_window{w}_all_completed"] = run_["all_completed"]
+    return res
+
+
+def simulate(info, mix: list[tuple[int, int]], rows: int | None, window: int = 0) -> dict:
+    """Run the mix to completion; sample running count, held/used blocks and waste per step.
+    `window` > 0: a model windowed in every layer (released blocks are not held)."""
+    engine = EngineCore(
+        GeometrySim(info, window), SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=4096)
+    )
     rng = random.Random(1)
     for i, (p, o) in enumerate(mix):
         tokens = [rng.randrange(256) for _ in range(p)]
@@ -119,7 +173,7 @@ def simulate(info, mix: list[tuple[int, int]], rows: int | None) -> dict:
             outputs[out.request_id] = outputs.get(out.request_id, 0) + len(out.new_token_ids)
         used = [s.num_computed_tokens for s in sched.running]
         if rows is None:  # paged: what the block tables hold
-            held = [len(sched.kv.tables[s.seq_id]) * bs for s in sched.running]
+            held = [sched.kv.num_blocks_held(s.seq_id) * bs for s in sched.running]
         else:  # contiguous: each running sequence owns a whole max-length row
             held = [info.max_model_len] * len(sched.running)
         waste = [h - u for h, u in zip(held, used, strict=True)]
@@ -188,6 +242,7 @@ def run(quick: bool = False, out_dir: Path | None = None) -> dict:
     res["concurrency_ratio"] = paged["mean_running_saturated"] / contiguous["mean_running_saturated"]
     res["block_size"] = paged_info.block_size
     res.update(quantized_kv_figures(mix))
+    res.update(sliding_window_figures(mix))
     if out_dir is not None:
         plot(paged, contiguous, out_dir / "memory_blocks.png", paged_info.num_blocks - 1)
         res["plot"] = "memory_blocks.png"

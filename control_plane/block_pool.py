@@ -1,7 +1,8 @@
 """The physical KV block pool: metadata for every block, the free queue, the hash index.
 
 Invariants (checked by `control_plane.invariants.check_pool`):
-  - block 0 is the null block: never handed out, never cached, never in the free queue;
+  - block 0 is the null block: never handed out, never cached, never in the free queue; a
+    table entry a sliding window released holds it, and touch/free_blocks pass over it;
   - a block is in the free queue  <=>  its ref count is 0;
   - a block with a hash is in `cached` under that hash (and only full blocks get hashes);
   - the free queue is the eviction order: uncached free blocks sit at the front (reused
@@ -139,7 +140,10 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block; a free cached block leaves the free queue."""
+        null = self.null_block
         for block in blocks:
+            if block is null:
+                continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
@@ -150,7 +154,10 @@ class BlockPool:
         Uncached blocks go to the front (reused before anything cached); cached blocks to
         the back (LRU among cached).
         """
+        null = self.null_block
         for block in blocks:
+            if block is null:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:

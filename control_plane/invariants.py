@@ -49,9 +49,12 @@ def check_scheduler(sched) -> None:
         seq = sched.seqs.get(seq_id)
         if seq is None or seq.status != SeqStatus.RUNNING:
             raise AssertionError(f"sequence {seq_id} holds a table but is not running")
-        for block in table:
+        check_released(kv, seq, table)
+        for block in table[kv.num_released.get(seq_id, 0) :]:
             if block.block_id == NULL_BLOCK_ID:
-                raise AssertionError(f"sequence {seq_id} table contains the null block")
+                raise AssertionError(
+                    f"sequence {seq_id} table contains the null block past its released entries"
+                )
             refs[block.block_id] += 1
         if len(table) * kv.block_size < seq.num_computed_tokens:
             raise AssertionError(f"sequence {seq_id}: table too short for its computed tokens")
@@ -106,6 +109,24 @@ def check_scheduler(sched) -> None:
         raise AssertionError(f"num_waiting {sched.num_waiting} != waiting sequences {num_waiting}")
 
 
+def check_released(kv, seq, table) -> None:
+    """A sliding window's released entries: the null block, only a leading run, only with a
+    window, and never one the sequence's next step reads (its first position's window)."""
+    released = kv.num_released.get(seq.seq_id, 0)
+    if not released:
+        return
+    if not kv.window:
+        raise AssertionError(f"sequence {seq.seq_id}: {released} entries released without a sliding window")
+    if any(block.block_id != NULL_BLOCK_ID for block in table[:released]):
+        raise AssertionError(f"sequence {seq.seq_id}: a released entry still holds a block")
+    next_start = seq.num_computed_tokens - seq.spec_in_flight  # (a verify may roll back to here)
+    if released > kv.first_kept_block(next_start):
+        raise AssertionError(
+            f"sequence {seq.seq_id}: {released} blocks released, but position {next_start} still reads "
+            f"block {kv.first_kept_block(next_start)}"
+        )
+
+
 def check_beam_group(req) -> None:
     """A beam request's live beams: at most beam_width, all running or all waiting (what
     keeps a coupled group from holding blocks while waiting for itself), equally long."""
@@ -132,6 +153,16 @@ def check_plan(sched, plan: Plan) -> None:
         if not item.num_inputs:
             raise AssertionError(f"sequence {item.seq_id} scheduled with no token to compute")
         table = sched.kv.tables[item.seq_id]
+        # A window: every entry before the step's first window is released, and the plan says so.
+        released = sched.kv.num_released.get(item.seq_id, 0)
+        sent = getattr(item, "num_released_blocks", None)
+        if sent is None:
+            sent = next((i for i, b in enumerate(item.block_ids) if b != NULL_BLOCK_ID), len(item.block_ids))
+        if released != sched.kv.first_kept_block(item.start_pos) or sent != released:
+            raise AssertionError(
+                f"sequence {item.seq_id}: {released} entries released ({sent} in the plan), its step "
+                f"from {item.start_pos} reads from block {sched.kv.first_kept_block(item.start_pos)}"
+            )
         end = item.start_pos + item.num_inputs
         if len(table) * bs < end:
             raise AssertionError(

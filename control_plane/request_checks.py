@@ -52,7 +52,9 @@ def check_request(
         raise InvalidRequestError(f"{what} needs shared KV blocks; the worker runs the contiguous layout")
     if width > 1:
         _check_beam_search(sampling, info, max_running)
-    need = width * kv.num_blocks_needed(len(prompt) + sampling.max_tokens)
+    # A sliding window frees what it leaves behind: a sequence holds at most a chunk and a window.
+    max_chunk = min(config.max_num_batched_tokens, config.long_prefill_token_threshold or max_model_len)
+    need = width * kv.max_blocks_held(len(prompt) + sampling.max_tokens, max_chunk)
     if need > kv.pool.num_blocks - 1:
         beams = f" ({width} beams)" if width > 1 else ""
         raise ResourceExhaustedError(

@@ -61,6 +61,7 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
             worker_info.num_blocks,
             worker_info.block_size,
             enable_caching=config.enable_prefix_caching and paged,
+            window=worker_info.sliding_window if paged else 0,
         )
         limits = [config.max_num_seqs]
         if config.policy == "latency":
@@ -142,15 +143,15 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
     def _fork(self, parent: Sequence, index: int, num_tokens: int) -> Sequence:
         """A new sequence of parent's request with parent's first `num_tokens` tokens, sharing
         the blocks that hold them (ref count += 1; writes into them copy on write). If the
-        parent is not running (preempted while its step ran), the child waits to recompute."""
+        parent is not running (preempted while its step ran), or a sliding window released a
+        block the child still reads (KVCacheManager.fork), the child waits to recompute."""
         child = self._new_sequence(parent.request, index, parent.token_ids[:num_tokens])
         child.num_cached_tokens = parent.num_cached_tokens
         child.block_hashes = list(parent.block_hashes)
-        if parent.status == SeqStatus.RUNNING:
+        if parent.status == SeqStatus.RUNNING and self.kv.fork(parent, child, num_tokens):
             child.status = SeqStatus.RUNNING
             child.num_computed_tokens = num_tokens
             child.admitted_at = parent.admitted_at
-            self.kv.fork(parent, child, num_tokens)
             self.running.append(child)
             self._running_dirty = True
         else:
@@ -372,6 +373,7 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
                     candidates,
                     _next_prompt_token(seq, start + len(tokens)),
                     num_spec,
+                    self.kv.num_released.get(seq.seq_id, 0),
                 )  # fmt: skip
             )
         seq.num_synced_blocks = len(table)

@@ -65,6 +65,8 @@ class SchedulerBeams:
             cap = self.config.long_prefill_token_threshold
             work = [(s, n if n == 1 else min(n, share, cap or n)) for s, n in work]
         preempted = False
+        for seq, _ in work:  # a sliding window: what the group frees counts before what it takes
+            self.kv.release_before_window(seq)
         while self.kv.num_blocks_to_allocate(work) > self.kv.pool.num_free_blocks and len(running) > j:
             reserve -= self._preempt_last()
             preempted = True
@@ -118,7 +120,7 @@ class SchedulerBeams:
             n = min(seq.num_tokens - num_hit, share, cap or share)
             chunks.append((seq, hits, num_hit, n))
             need += self.kv.num_blocks_needed(num_hit + n) - len(hits)
-            revived.update((b.block_id, b) for b in hits if b.ref_cnt == 0)
+            revived.update((b.block_id, b) for b in hits if b.ref_cnt == 0 and b.block_id)  # (0: released)
         if need + len(revived) > self.kv.pool.num_free_blocks:
             return None
         self._pop_waiting(req, len(members))

@@ -8,6 +8,10 @@ copies, write new tokens by slot), then reads each scheduled sequence's whole co
     next token = sim_next_token(context read back from the paged KV, sample index)
     beam candidates = sim_candidates(that context, how many)
 
+`window` > 0 stands for a model windowed in every layer: the next token depends on the last
+`window` tokens only, read back through the table, whose earlier entries the control plane
+releases (ContinuingSequence.num_released_blocks; a release the window still reads is refused).
+
 So a wrong table entry, a missing copy, a stale prefix-cache hit or a block reused while still
 referenced changes the tokens, and tests comparing against `reference_tokens` (computed
 without any paging) catch it. `verify=False` skips the read-back (transport benchmarks).
@@ -44,14 +48,15 @@ def sim_candidates(context: list[int], k: int, vocab_size: int) -> tuple[list[in
     return tokens, logprobs
 
 
-def reference_beams(prompt: list[int], search, vocab_size: int):
+def reference_beams(prompt: list[int], search, vocab_size: int, window: int = 0):
     """What a correct engine returns for a beam search (`control_plane.beam_search.BeamSearch`,
     fresh), with no paging involved: its finished hypotheses, best first."""
     beams = [Beam([], [])]
     while True:
+        contexts = [(prompt + b.token_ids)[-window:] if window else prompt + b.token_ids for b in beams]
         candidates = [
-            list(zip(*sim_candidates(prompt + b.token_ids, search.num_candidates, vocab_size), strict=True))
-            for b in beams
+            list(zip(*sim_candidates(context, search.num_candidates, vocab_size), strict=True))
+            for context in contexts
         ]
         chosen = search.step(beams, candidates)
         if search.done:
@@ -72,12 +77,13 @@ def reference_tokens(
     max_tokens: int,
     vocab_size: int,
     stop_ids: frozenset[int] = frozenset(),
+    window: int = 0,
 ) -> list[int]:
     """What a correct engine must produce for one sample, with no paging involved."""
     seq = list(prompt)
     out = []
     for _ in range(max_tokens):
-        t = sim_next_token(seq, sample_index, vocab_size)
+        t = sim_next_token(seq[-window:] if window else seq, sample_index, vocab_size)
         out.append(t)
         seq.append(t)
         if t in stop_ids:
@@ -94,9 +100,11 @@ class SimWorker:
         max_model_len: int = 4096,
         eos_token_ids: tuple[int, ...] = (),
         verify: bool = True,
+        window: int = 0,
     ) -> None:
         self.block_size = block_size
         self.verify = verify
+        self.window = window
         self._info = WorkerInfo(
             model_name="sim",
             architecture="SimWorker",
@@ -112,6 +120,7 @@ class SimWorker:
             device="sim",
             instance_id=f"sim-{time.monotonic_ns()}",
             eos_token_ids=eos_token_ids,
+            sliding_window=window,
         )
         self.slots = array("i", [-1]) * (num_blocks * block_size)
         self.tables: dict[int, list[int]] = {}
@@ -140,6 +149,10 @@ class SimWorker:
             self.sample_index[s.seq_id] = s.sample_index
         for s in plan.continuing:
             table = self.tables[s.seq_id]
+            released = s.num_released_blocks
+            if released and released * self.block_size > s.start_pos - self.window + 1:
+                raise ValueError(f"sequence {s.seq_id} releases block {released - 1}, which its window reads")
+            table[:released] = [NULL_BLOCK_ID] * released
             for index, block_id in s.replaced:
                 table[index] = block_id
             table.extend(s.new_block_ids)
@@ -210,5 +223,9 @@ class SimWorker:
             self.slots[block * bs + pos % bs] = tok
 
     def _read(self, seq_id: int, length: int) -> list[int]:
+        """The context a step at position length - 1 attends to: all of it, or its window."""
         table, bs = self.tables[seq_id], self.block_size
-        return [self.slots[table[p // bs] * bs + p % bs] for p in range(length)]
+        first = max(length - self.window, 0) if self.window else 0
+        if table[first // bs] == NULL_BLOCK_ID:
+            raise ValueError(f"sequence {seq_id} reads position {first} from a released entry")
+        return [self.slots[table[p // bs] * bs + p % bs] for p in range(first, length)]

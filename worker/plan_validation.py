@@ -11,6 +11,9 @@ Checked:
   - tokens: non-empty, every id < vocab_size, start_pos >= 0, end <= max_model_len;
   - tables: block ids in [1, num_blocks) (block 0 is the null block), no more than
     ceil(max_model_len / block_size) entries, covering every position written this step;
+  - released entries (sliding window, `limits.window` > 0 only): a new table's leading null
+    run or a continuing `num_released_blocks`, never decreasing, inside the table, and
+    wholly before start_pos's window (no position this step or later reads them);
   - continuing: `replaced` indices inside the current table and distinct, start_pos not
     beyond the tokens already computed (a gap would attend to never-written K/V),
     num_samples >= 1; `feed_last_sample` only with no token_ids, after a plan that sampled it,
@@ -51,6 +54,7 @@ class PlanLimits:
     vocab_size: int
     max_model_len: int
     contiguous: bool = False
+    window: int = 0  # every layer's sliding window (0: some layer sees all; nothing is released)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -113,9 +117,12 @@ class _PlanChecker:
             seq.sampling.validate(max_n=max(_ANY_N, seq.sampling.n))
         except ValueError as exc:
             raise self.fail(f"invalid sampling parameters: {exc}", seq.seq_id) from exc
-        self.block_ids(seq.seq_id, seq.block_ids, "block_ids")
-        if len(set(seq.block_ids)) != len(seq.block_ids):
-            dup = _first_duplicate(seq.block_ids)
+        released = _leading_nulls(seq.block_ids)
+        self.released(seq.seq_id, released, 0, len(seq.block_ids), seq.start_pos)
+        live = seq.block_ids[released:]
+        self.block_ids(seq.seq_id, live, "block_ids")
+        if len(set(live)) != len(live):
+            dup = _first_duplicate(live)
             raise self.fail(f"block table lists block {dup} twice", seq.seq_id)
         self.table_capacity(seq.seq_id, len(seq.block_ids), seq.start_pos + len(seq.token_ids))
         return seq.block_ids
@@ -149,13 +156,16 @@ class _PlanChecker:
                 "are computed, so positions in between would hold no K/V",
                 seq.seq_id,
             )
+        released = seq.num_released_blocks
+        self.released(seq.seq_id, released, mirror.num_released, len(mirror.block_ids), seq.start_pos)
         indices = [index for index, _ in seq.replaced]
         if len(set(indices)) != len(indices):
             raise self.fail(f"replaced lists table index {_first_duplicate(indices)} twice", seq.seq_id)
         for index in indices:
-            if not 0 <= index < len(mirror.block_ids):
+            if not released <= index < len(mirror.block_ids):
                 raise self.fail(
-                    f"replaced index {index} is outside its table of {len(mirror.block_ids)} blocks",
+                    f"replaced index {index} is outside its table of {len(mirror.block_ids)} blocks "
+                    f"(or among its {released} released ones)",
                     seq.seq_id,
                 )
         self.block_ids(seq.seq_id, [block for _, block in seq.replaced], "replaced")
@@ -205,6 +215,29 @@ class _PlanChecker:
         if seq.start_pos >= self.limits.max_model_len:
             raise self.fail(
                 f"position {seq.start_pos} exceeds max_model_len {self.limits.max_model_len}", seq.seq_id
+            )
+
+    def released(self, seq_id: int, num: int, before: int, table_len: int, start_pos: int) -> None:
+        """`num` leading table entries released (null) after this plan, `before` of them already."""
+        if num == before:
+            return
+        window, block_size = self.limits.window, self.limits.block_size
+        if not window:
+            raise self.fail(
+                f"releases {num} leading table entries (the null block 0), but this worker's model has "
+                "a layer that attends to the whole context (or the layout is contiguous): only a model "
+                "windowed in every layer frees blocks (ModelFacts.sliding_window)",
+                seq_id,
+            )
+        if num < before:
+            raise self.fail(f"num_released_blocks {num} is below the {before} already released", seq_id)
+        if num > table_len:
+            raise self.fail(f"releases {num} table entries of a table of {table_len}", seq_id)
+        if num * block_size > start_pos - window + 1:
+            raise self.fail(
+                f"releases positions below {num * block_size}, but position {start_pos} still sees "
+                f"positions from {start_pos - window + 1} (sliding window {window})",
+                seq_id,
             )
 
     def tokens(self, seq_id: int, token_ids: Sequence[int], start_pos: int) -> None:
@@ -306,7 +339,9 @@ class _PlanChecker:
         for seq in self.plan.new:
             delta.update(seq.block_ids)
         for seq in self.plan.continuing:
-            old = self.mirrors[seq.seq_id].block_ids
+            mirror = self.mirrors[seq.seq_id]
+            old = mirror.block_ids
+            delta.subtract(old[mirror.num_released : seq.num_released_blocks])
             delta.subtract(old[index] for index, _ in seq.replaced)
             delta.update(block for _, block in seq.replaced)
             delta.update(seq.new_block_ids)
@@ -329,6 +364,13 @@ class _TableAfterDelta:
         if index >= len(self._old):
             return self._appended[index - len(self._old)]
         return self._replaced.get(index, self._old[index])
+
+
+def _leading_nulls(block_ids: Sequence[int]) -> int:
+    n = 0
+    while n < len(block_ids) and block_ids[n] == NULL_BLOCK_ID:
+        n += 1
+    return n
 
 
 def _first_duplicate(values: Sequence[int]) -> int:

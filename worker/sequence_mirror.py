@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from base.plan import ContinuingSequence, NewSequence, SamplingParams
+from base.plan import NULL_BLOCK_ID, ContinuingSequence, NewSequence, SamplingParams
 from worker.token_counts import TokenCounts
 
 
@@ -27,6 +27,7 @@ class SequenceMirror:
     sampling: SamplingParams
     sample_index: int
     num_computed_tokens: int  # positions [0, n) hold this sequence's K/V once the step runs
+    num_released: int = 0  # sliding window: the table's first this many entries are the null block
     # The first token of this sequence's last sample, until a plan feeds it forward
     # (ContinuingSequence.feed_last_sample); None when there is none to feed.
     last_sample: int | None = None
@@ -78,17 +79,23 @@ class SequenceMirrors:
             num_computed_tokens=seq.start_pos + len(seq.token_ids),
             prompt_len=seq.prompt_len,
         )
+        while mirror.num_released < len(mirror.block_ids) and not mirror.block_ids[mirror.num_released]:
+            mirror.num_released += 1  # a sliding window's released entries (the null block)
         if seq.sampling.has_penalties:
             mirror.counts = TokenCounts(self.vocab_size, seq.prompt_len)
             mirror.counts.add(seq.history, 0)
         self._seqs[seq.seq_id] = mirror
-        self._block_refs.update(mirror.block_ids)
+        self._block_refs.update(mirror.block_ids[mirror.num_released :])
         return mirror
 
     def apply_delta(self, seq: ContinuingSequence) -> SequenceMirror:
-        """`replaced` entries first, then `new_block_ids` appended (plan.py's order)."""
+        """Released entries first, then `replaced`, then `new_block_ids` appended (plan.py's order)."""
         mirror = self._seqs[seq.seq_id]
         table = mirror.block_ids
+        for index in range(mirror.num_released, seq.num_released_blocks):
+            self._unref(table[index])
+            table[index] = NULL_BLOCK_ID
+        mirror.num_released = max(mirror.num_released, seq.num_released_blocks)
         for index, block_id in seq.replaced:
             self._unref(table[index])
             table[index] = block_id
@@ -110,7 +117,8 @@ class SequenceMirrors:
         del mirror.block_ids[keep:]
 
     def drop(self, seq_id: int) -> None:
-        for block_id in self._seqs.pop(seq_id).block_ids:
+        mirror = self._seqs.pop(seq_id)
+        for block_id in mirror.block_ids[mirror.num_released :]:
             self._unref(block_id)
 
     def clear(self) -> None:

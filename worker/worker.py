@@ -113,6 +113,7 @@ class Worker:
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
             contiguous=config.layout == KVLayout.CONTIGUOUS,
+            window=0 if config.layout == KVLayout.CONTIGUOUS else self._window_of_every_layer(),
         )
         self.decode_graphs, self.graph_decision = self._prepare_graphs()
         self.fast_forward = self._prepare_fast_forward()
@@ -320,6 +321,12 @@ class Worker:
             return f"{self.fast_forward.variant} ({self.fast_forward.origin})"
         return "nvrtc" if self.device.type == "cuda" else ""
 
+    def _window_of_every_layer(self) -> int:
+        """The sliding window when every layer has one (blocks before it may be released);
+        0 when some layer attends to the whole context."""
+        windows = self.model_config.layer_windows
+        return self.model_config.sliding_window if windows and all(windows) else 0
+
     def _describe(self) -> WorkerInfo:
         config = self.model_config
         tokenizer_kind, tokenizer_json = _tokenizer(self.model_dir, config.tokenizer_hint)
@@ -349,6 +356,7 @@ class Worker:
             kv_cache_scales=describe_scales(self.kv_spec.kv_format, self.kv_tensor_scales),
             memory=self.memory,
             **graph_facts(self.graph_decision),
+            sliding_window=self._window_of_every_layer(),
             tokenizer_json=tokenizer_json,
             **self._image_facts(),
         )

@@ -25,7 +25,9 @@ def make_engine(
     vocab: int = 1000,
     max_model_len: int = 4096,
     eos: tuple[int, ...] = (),
+    window: int = 0,
     **cfg,
 ) -> tuple[EngineCore, SimWorker]:
-    worker = SimWorker(num_blocks, block_size, vocab, max_model_len, eos)
+    """`window` > 0: a sliding-window model (SimWorker's), whose blocks before the window are freed."""
+    worker = SimWorker(num_blocks, block_size, vocab, max_model_len, eos, window=window)
     return EngineCore(worker, SchedulerConfig(**cfg), check_invariants=True), worker

@@ -55,8 +55,9 @@ WORKLOADS = {
 }
 
 
-def run_and_check(block_size, num_blocks, budget, in_flight, requests) -> EngineCore:
-    worker = SimWorker(num_blocks=num_blocks, block_size=block_size, vocab_size=VOCAB)
+def run_and_check(block_size, num_blocks, budget, in_flight, requests, window=0) -> EngineCore:
+    """`window` > 0: a sliding-window model (SimWorker's; blocks before the window are freed)."""
+    worker = SimWorker(num_blocks=num_blocks, block_size=block_size, vocab_size=VOCAB, window=window)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, enable_prefix_caching=True)
     engine = EngineCore(worker, config, check_invariants=True, plans_in_flight=in_flight)
     for i, (prompt, max_tokens, width, n) in enumerate(requests):
@@ -71,9 +72,11 @@ def run_and_check(block_size, num_blocks, budget, in_flight, requests) -> Engine
     for i, (prompt, max_tokens, width, n) in enumerate(requests):
         if width:
             search = BeamSearch(width, 1.0, max_tokens, frozenset())
-            expected = [h.token_ids for h in reference_beams(prompt, search, VOCAB)[:n]]
+            expected = [h.token_ids for h in reference_beams(prompt, search, VOCAB, window)[:n]]
         else:
-            expected = [reference_tokens(prompt, index, max_tokens, VOCAB) for index in range(n)]
+            expected = [
+                reference_tokens(prompt, index, max_tokens, VOCAB, window=window) for index in range(n)
+            ]
         assert [tokens[(f"r{i}", index)] for index in range(n)] == expected, f"r{i}"
     return engine
 

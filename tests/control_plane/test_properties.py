@@ -8,6 +8,7 @@ from base.plan import SamplingParams
 from control_plane.invariants import check_all_free, check_plan, check_pool, check_scheduler
 from control_plane.kv_cache_manager import KVCacheManager
 from control_plane.sim_worker import reference_tokens
+from control_plane.speculation import SpeculativeConfig
 from tests.control_plane.helpers import make_engine, make_seq
 
 VOCAB = 64  # small vocab: shared prefixes and repeated blocks happen often
@@ -34,6 +35,32 @@ op_st = st.one_of(
     ops=st.lists(op_st, min_size=1, max_size=40),
 )
 def test_random_interleavings_keep_invariants(block_size, extra_blocks, budget, ops):
+    run_interleaving(block_size, extra_blocks, budget, ops)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    window=st.sampled_from([1, 3, 6, 16]),
+    extra_blocks=st.integers(0, 6),
+    budget=st.sampled_from([8, 32, 256]),
+    in_flight=st.sampled_from([1, 2, 3]),
+    k=st.sampled_from([0, 0, 1, 3]),
+    ops=st.lists(op_st, min_size=1, max_size=40),
+)
+def test_random_interleavings_with_a_sliding_window_keep_invariants(
+    block_size, window, extra_blocks, budget, in_flight, k, ops
+):
+    """The same, for a model windowed in every layer (SimWorker reads only the window back):
+    blocks before each step's window are released (check_plan: exactly those) while n > 1
+    forks, windowed prefix hits, preemption, overlap (1-3 plans in flight) and n-gram
+    speculation's rollback go on."""
+    run_interleaving(block_size, extra_blocks, budget, ops, window, in_flight, k)
+
+
+def run_interleaving(block_size, extra_blocks, budget, ops, window=0, in_flight=1, k=0):
+    """`in_flight` > 1: overlap (EngineCore checks the invariants); `k`: n-gram proposals
+    (greedy requests, which SimWorker verifies)."""
     max_len = 64
     num_blocks = -(-max_len // block_size) + 1 + extra_blocks  # one max-length sequence always fits
     engine, worker = make_engine(
@@ -43,14 +70,21 @@ def test_random_interleavings_keep_invariants(block_size, extra_blocks, budget, 
         max_model_len=max_len,
         max_num_batched_tokens=budget,
         max_num_seqs=8,
+        window=window,
+        speculative=SpeculativeConfig("ngram", k, 1, 3) if k else SpeculativeConfig(),
     )
-    engine.check_invariants = False  # checked by hand below, with the plan in view
+    engine.check_invariants = in_flight > 1  # else checked by hand below, with the plan in view
+    engine.plans_in_flight = in_flight
     s = engine.scheduler
     live: dict[str, tuple[list[int], SamplingParams]] = {}
     aborted: set[str] = set()
     got: dict[tuple[str, int], list[int]] = {}
 
     def step():
+        if in_flight > 1:
+            for out in engine.step():
+                got.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+            return
         plan = s.schedule()
         check_plan(s, plan)
         check_scheduler(s)
@@ -61,7 +95,7 @@ def test_random_interleavings_keep_invariants(block_size, extra_blocks, budget, 
     for i, (op, arg) in enumerate(ops):
         if op == "add":
             prompt, max_tokens, n, prio = arg
-            sp = SamplingParams(max_tokens=max_tokens, n=n, temperature=1.0)
+            sp = SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0 if k else 1.0)
             rid = f"r{i}"
             s.add_request(rid, prompt, sp, priority=prio)
             live[rid] = (prompt, sp)
@@ -73,18 +107,19 @@ def test_random_interleavings_keep_invariants(block_size, extra_blocks, budget, 
             s.abort_request(rid)
             aborted.add(rid)
         elif op == "worker_lost":
+            engine._in_flight.clear()  # what the served loop does: plans in flight die with it
             s.on_worker_lost()
             worker.reset()
             check_scheduler(s)
     for _ in range(5000):
-        if not s.has_pending_work():
+        if not engine.has_work():
             break
         step()
     check_all_free(s)
     assert not worker.tables
     for rid, (prompt, sp) in live.items():
         for idx in range(sp.n):
-            ref = reference_tokens(prompt, idx, sp.max_tokens, VOCAB)
+            ref = reference_tokens(prompt, idx, sp.max_tokens, VOCAB, window=window)
             toks = got.get((rid, idx), [])
             if rid in aborted:
                 assert toks == ref[: len(toks)]

@@ -38,9 +38,14 @@ def attention_over_context(
     the row dimension of one batched matmul per kv head.
 
     window > 0 (a sliding-window layer): the query at position i sees keys j with
-    i - window < j <= i, as Hugging Face masks (transformers' sliding_window_overlay).
+    i - window < j <= i, as Hugging Face masks (transformers' sliding_window_overlay). Keys
+    before the first query's window are sliced off, never used: their table entries may have
+    been released (the null block) by the control plane.
     """
     q_len, num_heads, head_dim = query.shape
+    first_key = max(keys.shape[0] - q_len - window + 1, 0) if window else 0
+    if first_key:
+        keys, values = keys[first_key:], values[first_key:]
     seq_len, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
     # [kv_heads, group * q_len, head_dim]: rows ordered (query head within group, token).
@@ -50,7 +55,7 @@ def attention_over_context(
     v = values.float().permute(1, 0, 2)  # [kv_heads, seq_len, head_dim]
     scores = torch.bmm(q, k).mul_(scale).view(num_kv_heads, group, q_len, seq_len)
     if q_len > 1 or window:
-        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # relative to first_key
         key_pos = torch.arange(seq_len, device=query.device)
         hidden = key_pos[None, :] > query_pos[:, None]
         if window:
