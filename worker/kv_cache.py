@@ -15,7 +15,7 @@ live sequence, reserved whole when the sequence is registered:
 Quantized (`--kv-cache-dtype fp8_e4m3|fp8_e5m2|int8`, paged only): the pools hold uint8 codes
 and each layer has two more pools of scale bytes, block id first so block copies carry them:
 
-    k_exps[layer]    [num_blocks, block_size, num_kv_heads]   one E8M0 byte per (slot, kv head)
+    k_exps[layer]    [num_blocks, block_size, num_kv_heads]   one scale byte per (slot, kv head)
 
 (worker/kv_quant.py says why and holds the torch oracle; the C kernels read codes and bytes.)
 

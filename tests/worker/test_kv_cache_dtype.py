@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from tests.worker.test_half_precision import teacher_forced
 from tests.worker.worker_test_utils import VOCAB, PlanDriver, make_worker
 from worker.errors import ModelLoadError, WorkerConfigError
-from worker.kv_quant import resolve_kv_quant
+from worker.kv_quant import SCALE_ONE, resolve_kv_quant
 
 MODELS = ["llama-gqa-derived-head-dim", "qwen2-mqa-bias", "qwen3-head-dim-tied"]
 KV_MEMORY = 1 << 20
@@ -39,7 +39,7 @@ def test_a_quantized_cache_holds_about_twice_the_blocks_of_bf16(checkpoint, kv_c
     head_dim = info.head_dim
     print(f"\n{kv_cache_dtype}: {info.num_blocks} blocks vs bf16 {bf16}, fp32 {fp32} (head_dim {head_dim})")
     assert info.kv_cache_dtype == kv_cache_dtype and info.dtype == "bfloat16"
-    assert info.kv_cache_scales == "per token and kv head (E8M0, computed)"
+    assert info.kv_cache_scales == "per token and kv head (e5m3 byte, computed)"
     assert info.bytes_per_block == 2 * info.num_layers * info.num_kv_heads * (head_dim + 1) * 16
     assert info.num_blocks / bf16 >= 2 * head_dim / (head_dim + 1) - 0.01
     assert info.num_blocks / fp32 >= 4 * head_dim / (head_dim + 1) - 0.02
@@ -157,9 +157,9 @@ def test_checkpoint_scales_are_used_for_fp8_e4m3(checkpoint, tmp_path, name_form
     driver = PlanDriver(worker)
     driver.add(1, list(range(3, 20)))
     driver.step({1: None})
-    assert (worker.kv_cache.k_exps[0][1:5] == 127).all()  # per-tensor: no per-token scale
+    assert (worker.kv_cache.k_exps[0][1:5] == SCALE_ONE).all()  # per-tensor: no per-token scale
     int8 = make_worker(path, 4, kv_cache_dtype="int8")  # calibrated for fp8: int8 computes its own
-    assert int8.describe().kv_cache_scales == "per token and kv head (E8M0, computed)"
+    assert int8.describe().kv_cache_scales == "per token and kv head (e5m3 byte, computed)"
 
 
 def test_scale_tensors_of_the_wrong_shape_are_refused_by_name(checkpoint, tmp_path):
