@@ -22,7 +22,7 @@ import random
 import torch
 
 from base.plan import ContinuingSequence, NewSequence, Plan, SamplingParams
-from bench.common import TimedWorker, engine_for, median
+from bench.common import decode_steps_lockstep
 from bench.suite_cli import suite_main
 from worker.worker import Worker
 from worker.worker_config import WorkerConfig
@@ -36,35 +36,6 @@ def _worker(kv_cache_dtype: str, max_model_len: int, batch: int) -> Worker:
     config = WorkerConfig(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory,
                           max_model_len=max_model_len, cpu_kernels="fast")  # fmt: skip
     return Worker(config)
-
-
-def decode_step_seconds(workers: dict, batch: int, context: int, steps: int) -> dict:
-    """Median decode step seconds per worker with `batch` sequences at ~`context` tokens."""
-    vocab = next(iter(workers.values())).describe().vocab_size
-    timed = {kind: TimedWorker(w) for kind, w in workers.items()}
-    engines = {kind: engine_for(t, max_num_seqs=batch, caching=False) for kind, t in timed.items()}
-    for engine in engines.values():
-        rng = random.Random(batch)
-        for i in range(batch):
-            tokens = [rng.randrange(vocab) for _ in range(context)]
-            # long enough that the first prompts still decode when the last prefill chunk ran
-            engine.add_request(f"d{i}", tokens, SamplingParams(max_tokens=56, ignore_eos=True))
-
-    def decodes(t: TimedWorker) -> list[float]:
-        return [s for n, k, s in t.samples if n == batch and k == batch]
-
-    while min(len(decodes(t)) for t in timed.values()) < steps + 1:  # prefill chunks, then decodes
-        if not all(engine.has_work() for engine in engines.values()):
-            raise RuntimeError("the requests finished before enough batched decode steps")
-        for engine in engines.values():
-            engine.step()
-    result = {}
-    for kind, t in timed.items():
-        result[kind] = median(decodes(t)[1:])  # the first: warm-up
-        for i in range(batch):
-            engines[kind].scheduler.abort_request(f"d{i}")
-        engines[kind].run_to_completion()
-    return result
 
 
 def teacher_forced_logits(worker: Worker, stream: list[int]) -> torch.Tensor:
@@ -104,7 +75,7 @@ def accuracy(workers: dict, length: int) -> dict:
 def run(quick: bool = False) -> dict:
     batch, context, steps = (16, 256, 4) if quick else (64, 2048, 5)
     workers = {kind: _worker(kind, context + 64, batch) for kind in KV_DTYPES}
-    times = decode_step_seconds(workers, batch, context, steps)
+    times = decode_steps_lockstep(workers, steps, warmup=1, batch=batch, prompt_len=context)
     res = {"batch": batch, "context": context, "bf16_decode_step_ms": times["auto"] * 1e3}
     for kind in KV_DTYPES[1:]:
         res[f"{kind}_decode_step_ms"] = times[kind] * 1e3
