@@ -137,7 +137,7 @@ KVQ_FN float kvq_decode(unsigned char b, int fmt) {
 }
 
 #ifdef __CUDACC__
-namespace pkv {
+namespace pkv {  // after common.cuh (Vec8, i64)
 
 // Code types of a quantized pool (the pool's element type in kernel templates; 1 byte each).
 struct e4m3 {
@@ -159,21 +159,41 @@ struct KvCode {
   static constexpr bool kQuantized = sizeof(C) == 1;
 };
 
-// 8 consecutive codes (one 8-byte load) as floats, each times `scale`.
+// 8 consecutive pool elements of a K or V row as floats (before a code's scale): Vec8 for the
+// model's dtype, one 8-byte load decoded in registers for codes.
+template <typename C, bool kQuantized = KvCode<C>::kQuantized>
+struct KvVec8 {
+  Vec8<C> v;
+  __device__ __forceinline__ void load(const C* p) { v.load(p); }
+  __device__ __forceinline__ void zero() { v.zero(); }
+  __device__ __forceinline__ void to_floats(float (&f)[8]) const { v.to_floats(f); }
+};
 template <typename C>
-__device__ __forceinline__ void decode8(uint2 w, float scale, float (&f)[8]) {
+struct KvVec8<C, true> {
+  uint2 w;
+  __device__ __forceinline__ void load(const C* p) { w = __ldg(reinterpret_cast<const uint2*>(p)); }
+  __device__ __forceinline__ void zero() { w = make_uint2(0u, 0u); }  // code 0 is 0.0 in every format
+  __device__ __forceinline__ void to_floats(float (&f)[8]) const {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const unsigned char b = (unsigned char)(((i < 4 ? w.x : w.y) >> (8 * (i % 4))) & 0xFFu);
-    f[i] = kvq_decode(b, C::kFormat) * scale;
+    for (int i = 0; i < 8; ++i)
+      f[i] = kvq_decode((unsigned char)(((i < 4 ? w.x : w.y) >> (8 * (i % 4))) & 0xFFu), C::kFormat);
   }
-}
+};
 
-// A quantized pool's scale bytes [slots, kv_heads] and per-tensor scales (1 when computed).
+// A quantized pool's scale bytes [slots, kv_heads] (beside the codes, block id first) and the
+// per-tensor scales (1 when the bytes are computed). Unused (null) for the model's dtype.
 struct KvScales {
   const unsigned char* k;
   const unsigned char* v;
   float k_tensor, v_tensor;
+
+  // The scales of the token at `slot`, kv head `kv_head`.
+  __device__ __forceinline__ float key(i64 slot, int num_kv_heads, int kv_head) const {
+    return kvq_scale_of(__ldg(k + slot * num_kv_heads + kv_head)) * k_tensor;
+  }
+  __device__ __forceinline__ float value(i64 slot, int num_kv_heads, int kv_head) const {
+    return kvq_scale_of(__ldg(v + slot * num_kv_heads + kv_head)) * v_tensor;
+  }
 };
 
 }  // namespace pkv
