@@ -42,7 +42,7 @@ from worker.backends.base import AttentionBackend
 from worker.backends.cpu import CpuAttentionBackend, attention_over_context
 from worker.batch import AttentionMetadata, blocks_needed
 from worker.errors import WorkerConfigError
-from worker.kv_quant import KVFormat, dequantize, quantize
+from worker.kv_quant import KVFormat, KvQuantPools, dequantize, quantize
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +143,22 @@ class PagedKVCache:
     def reset(self) -> None:
         """Nothing is owned per sequence."""
 
+    def _kernel_quant(self, layer: int) -> KvQuantPools | None:
+        """A quantized layer's pools for a backend whose kernels serve them (CUDA); None for
+        the model's dtype or the CPU reference backend (which reads the torch oracle)."""
+        if self.kv_format is None or not getattr(self.backend, "serves_quantized_kv", False):
+            return None
+        return KvQuantPools(
+            self.kv_format.name, self.k_exps[layer], self.v_exps[layer], self.k_scales[layer], self.v_scales[layer]
+        )
+
     def write(self, layer: int, key: Tensor, value: Tensor, meta: AttentionMetadata) -> None:
+        quant = self._kernel_quant(layer)
+        if quant is not None:
+            self.backend.write_kv_quantized(
+                self.k_caches[layer], self.v_caches[layer], key, value, meta.slot_mapping, quant
+            )
+            return
         if self.kv_format is not None:
             self._write_quantized(layer, key, value, meta.slot_mapping)
             return
@@ -178,10 +193,13 @@ class PagedKVCache:
         """window > 0: a sliding-window layer (only the CPU reference backend takes one: the
         worker refuses windowed models on CUDA at start)."""
         extra: dict = {"window": window} if window else {}
-        if self.kv_format is not None:  # only the CPU reference backend serves quantized pools
+        quant = self._kernel_quant(layer)
+        if self.kv_format is not None and quant is None:  # the CPU reference: the oracle decodes
             extra["kv_decode"] = partial(self._decode, layer)
         else:
             extra.update(num_decode_seqs=meta.num_decode_seqs, host_seq_lens=meta.host_seq_lens)
+            if quant is not None:
+                extra["kv_quant"] = quant
         return self.backend.paged_attention(
             query,
             self.k_caches[layer],

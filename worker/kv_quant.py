@@ -60,6 +60,27 @@ FORMATS = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class KvQuantPools:
+    """A layer's quantized-pool extras for a backend's kernels (CUDA): the format, the scale-byte pools [blocks, block_size,
+    kv_heads] (uint8) and the per-tensor scales (0.0: computed per token and head)."""
+
+    kv_cache_dtype: str  # "fp8_e4m3" | "fp8_e5m2" | "int8"
+    k_bytes: Tensor
+    v_bytes: Tensor
+    k_tensor_scale: float = 0.0
+    v_tensor_scale: float = 0.0
+
+    def launch_values(self) -> tuple:
+        """The kernels' trailing (k scales, v scales, k tensor scale, v tensor scale)."""
+        return (
+            self.k_bytes.data_ptr(),
+            self.v_bytes.data_ptr(),
+            self.k_tensor_scale or 1.0,
+            self.v_tensor_scale or 1.0,
+        )
+
+
 def kv_format(name: str | None) -> KVFormat | None:
     """The format of a `--kv-cache-dtype` value; None for "auto" (the model's dtype)."""
     if name in (None, "auto"):
@@ -156,17 +177,17 @@ def resolve_kv_quant(
 ) -> tuple[KVFormat | None, tuple[list[float], list[float]] | None]:
     """The worker's quantized-KV setup: (format, per-layer checkpoint scales or None). Refuses
     at start, with the reason, what this worker cannot serve: a quantized cache on a backend
-    whose kernels read the model's dtype only (CUDA, until its kernels decode codes), or a
+    with no kernels for one (anything but CPU and CUDA), or a
     checkpoint's scale tensors of the wrong shape (by name, for any quantized format). The
     checkpoint's scales are used for fp8_e4m3, the format they are calibrated for; int8 and
     fp8_e5m2 compute their scales per token and head."""
     fmt = kv_format(name)
     if fmt is None:
         return None, None
-    if device.type != "cpu":
+    if device.type not in ("cpu", "cuda"):
         raise WorkerConfigError(
-            f"--kv-cache-dtype {name}: the {device.type} backend's attention kernels read KV in the model's "
-            "dtype only; quantized KV caches run on the CPU worker (use --kv-cache-dtype auto here)"
+            f"--kv-cache-dtype {name}: the {device.type} backend has no kernels for a quantized KV cache; "
+            "they exist for the CPU and CUDA workers (use --kv-cache-dtype auto here)"
         )
     scales = load_checkpoint_scales(model_dir, num_layers)
     return fmt, scales if fmt.name == "fp8_e4m3" else None

@@ -70,11 +70,12 @@ def agreement(path, plain: torch.Tensor, kv_cache_dtype: str, streams) -> dict:
 # bench/kv_scale_study.py, PERF.md) a bf16 cache of the fp32 model itself agrees 98.8-99.7 %
 # with fp32 on them (98.5 % on the 0.5B-shaped model), because random weights put many
 # positions at near-ties (median top-2 margin at the disagreements 0.01-0.1 logits). Where the
-# unquantized decision is clear (margin >= 0.5) int8 and fp8_e4m3 agree >= 98 %. Measured
+# unquantized decision is clear (margin >= 0.5) int8 and fp8_e4m3 agree >= 99 % (measured 100 %,
+# fp8_e5m2 94.2-100 %). Measured
 # 2026-11-25 with the e5m3 scale byte: all positions int8 95.7-97.3 %, fp8_e4m3 85.0-92.3 %,
 # fp8_e5m2 75.3-85.3 %.
 AGREEMENT_FLOORS = {"int8": 0.95, "fp8_e4m3": 0.84, "fp8_e5m2": 0.74}
-CLEAR_FLOORS = {"int8": 0.99, "fp8_e4m3": 0.98, "fp8_e5m2": 0.9}
+CLEAR_FLOORS = {"int8": 0.99, "fp8_e4m3": 0.99, "fp8_e5m2": 0.93}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -186,10 +187,10 @@ def test_scale_tensors_of_the_wrong_shape_are_refused_by_name(checkpoint, tmp_pa
 
 def test_what_cannot_be_served_is_refused_at_start(checkpoint):
     _, path = checkpoint("llama-gqa-derived-head-dim")
-    with pytest.raises(
-        WorkerConfigError, match="cuda backend's attention kernels read KV in the model's dtype"
-    ):
-        resolve_kv_quant("fp8_e4m3", torch.device("cuda"), path, 2)
+    fmt, scales = resolve_kv_quant("fp8_e4m3", torch.device("cuda"), path, 2)  # CUDA kernels exist
+    assert fmt.name == "fp8_e4m3" and scales is None
+    with pytest.raises(WorkerConfigError, match="mps backend has no kernels for a quantized KV cache"):
+        resolve_kv_quant("int8", torch.device("mps"), path, 2)
     with pytest.raises(WorkerConfigError, match="contiguous layout"):
         make_worker(
             path, 4, kv_layout="contiguous", num_blocks=None, kv_cache_memory=KV_MEMORY, kv_cache_dtype="int8"
