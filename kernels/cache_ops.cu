@@ -69,7 +69,7 @@ __global__ void write_kv_quant_kernel(KV* __restrict__ k_cache, KV* __restrict__
     for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     const unsigned char byte = tensor_scale != 0.f ? (unsigned char)KVQ_SCALE_ONE : kvq_scale_byte(amax, KV::kFormat);
     const float inverse = tensor_scale != 0.f ? kvq_div(1.f, tensor_scale) : 0.f;
-    const i64 at = slot * num_kv_heads + head;
+    const i64 at = kvq_scale_index(slot, num_kv_heads, head);  // codes at at * HD (kv_offset)
     unsigned char* dst = reinterpret_cast<unsigned char*>(is_key ? k_cache : v_cache) + at * HD;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {

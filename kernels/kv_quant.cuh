@@ -63,6 +63,13 @@ KVQ_FN float kvq_half(unsigned short h) {
 }
 #endif
 
+// Where a token's scale byte lives: scale pools are [blocks, block_size, kv_heads] (block id
+// first, like the codes' [blocks, block_size, kv_heads, head_dim]), slot = block * block_size
+// + offset. (The codes' offset is common.cuh kv_offset: this index times head_dim.)
+KVQ_FN long long kvq_scale_index(long long slot, int num_kv_heads, int kv_head) {
+  return slot * num_kv_heads + kv_head;
+}
+
 KVQ_FN float kvq_qmax(int fmt) { return fmt == KVQ_E4M3 ? 448.f : (fmt == KVQ_E5M2 ? 57344.f : 127.f); }
 
 // A scale byte as its float: the byte plus the exponent re-bias is an fp32's top 12 bits.
@@ -189,10 +196,10 @@ struct KvScales {
 
   // The scales of the token at `slot`, kv head `kv_head`.
   __device__ __forceinline__ float key(i64 slot, int num_kv_heads, int kv_head) const {
-    return kvq_scale_of(__ldg(k + slot * num_kv_heads + kv_head)) * k_tensor;
+    return kvq_scale_of(__ldg(k + kvq_scale_index(slot, num_kv_heads, kv_head))) * k_tensor;
   }
   __device__ __forceinline__ float value(i64 slot, int num_kv_heads, int kv_head) const {
-    return kvq_scale_of(__ldg(v + slot * num_kv_heads + kv_head)) * v_tensor;
+    return kvq_scale_of(__ldg(v + kvq_scale_index(slot, num_kv_heads, kv_head))) * v_tensor;
   }
 };
 

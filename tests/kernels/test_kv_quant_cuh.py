@@ -41,6 +41,7 @@ void quantize_cuh(int fmt, const float *x, const uint8_t *bytes, int64_t rows, i
         for (int64_t d = 0; d < dim; ++d) codes[r * dim + d] = kvq_quantize(x[r * dim + d], bytes[r], fmt);
 }
 int scale_byte_cuh(float amax, int fmt) { return kvq_scale_byte(amax, fmt); }
+long long scale_index_cuh(long long slot, int kv_heads, int head) { return kvq_scale_index(slot, kv_heads, head); }
 """
 
 
@@ -137,3 +138,17 @@ def test_a_head_quantizes_to_the_oracles_codes(shim, name):
     xs = np.ascontiguousarray(x.numpy())
     shim.quantize_cuh(fmt.code, ptr(xs), ptr(got_bytes), ctypes.c_int64(rows), ctypes.c_int64(dim), ptr(codes))
     assert np.array_equal(codes, want_codes.numpy())
+
+
+def test_scale_bytes_are_found_where_the_pools_keep_them(shim):
+    """kvq_scale_index(block * block_size + offset, kv_heads, head) is the flat index of
+    [block, offset, head] in the worker's scale pool, and times head_dim the codes' row (as the
+    kernels' kv_offset): a block copy of both pools moves a token's codes and byte together."""
+    shim.scale_index_cuh.restype = ctypes.c_longlong
+    blocks, block_size, kv_heads, head_dim = 5, 8, 3, 16
+    pool = torch.arange(blocks * block_size * kv_heads).reshape(blocks, block_size, kv_heads)
+    codes = torch.arange(blocks * block_size * kv_heads * head_dim).reshape(blocks, block_size, kv_heads, head_dim)
+    for block, offset, head in [(0, 0, 0), (4, 7, 2), (2, 3, 1), (3, 0, 2)]:
+        at = shim.scale_index_cuh(ctypes.c_longlong(block * block_size + offset), kv_heads, head)
+        assert at == pool[block, offset, head]
+        assert at * head_dim == codes[block, offset, head, 0]
