@@ -73,7 +73,7 @@ def accuracy(workers: dict, length: int) -> dict:
 
 
 def run(quick: bool = False) -> dict:
-    batch, context, steps = (16, 256, 4) if quick else (64, 2048, 5)
+    batch, context, steps = (16, 256, 4) if quick else (64, 2048, 9)
     workers = {kind: _worker(kind, context + 64, batch) for kind in KV_DTYPES}
     times = decode_steps_lockstep(workers, steps, warmup=1, batch=batch, prompt_len=context)
     res = {"batch": batch, "context": context, "bf16_decode_step_ms": times["auto"] * 1e3}

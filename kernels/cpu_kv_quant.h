@@ -10,9 +10,9 @@
  * 1 when scales are computed per (token, head) at store time ("dynamic": amax / qmax rounded
  * up to the byte's 3 mantissa bits, so the head's amax lands within 2^(1/8) of the top code).
  * Why 3 mantissa bits and not a power of two (E8M0): measured (bench/kv_scale_study.py,
- * PERF.md), a power of two leaves int8 6.x-7 bits where this leaves ~7 and costs up to a point
- * of top-1 agreement; an fp32 scale measures no better and costs 4 bytes (1.88x the blocks of
- * bf16 at head_dim 64, not 1.97x). The torch oracle (worker/kv_quant.py) computes the same
+ * PERF.md), a power of two leaves int8 6-7 bits where this leaves ~7 and costs up to a point
+ * of top-1 agreement; an fp32 scale measures within 0-1 point of this and costs 4 bytes (1.88x
+ * the blocks of bf16 at head_dim 64, not 1.97x: below the issue's 1.95x). The torch oracle (worker/kv_quant.py) computes the same
  * byte and codes bit for bit (one IEEE division each, no libm), and so does the CUDA header
  * kernels/kv_quant.cuh.
  *

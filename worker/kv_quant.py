@@ -17,8 +17,9 @@ it is written (a per-block scale would have to grow, and requantize the block, a
 arrive; measured no more accurate either), outlier heads do not cost the others precision, and
 one byte per head_dim codes keeps the pool at 2x the blocks of bf16 (1.97x at head_dim 64).
 Why 3 mantissa bits: measured against a power of two (an E8M0 byte, which leaves int8 6-7 bits)
-and an exact fp32 scale (4 bytes): the byte matches fp32's agreement, the power of two loses up
-to a point (bench/kv_scale_study.py; PERF.md "KV cache scale format").
+and an exact fp32 scale (4 bytes, 1.88x the blocks of bf16: below the 1.95x goal): the byte is
+within 0-1 point of fp32's agreement, the power of two up to a point below the byte
+(bench/kv_scale_study.py; PERF.md "KV cache scale format").
 
 `quantize` / `dequantize` here are bit-identical to kernels/cpu_kv_quant.h's store (same byte,
 same round-to-nearest-even codes) and to the CUDA one (kernels/kv_quant.cuh): the reference
