@@ -121,7 +121,7 @@ class PagedKVCache:
         pool_dtype = spec.dtype if spec.kv_format is None else torch.uint8
         self.k_caches = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(spec.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(spec.num_layers)]
-        # Quantized only: scale bytes, 1 (the smallest scale) until a token is stored.
+        # Quantized only: scale bytes (worker/kv_quant.py), 1 until a token is stored (never read before).
         exps = 0 if spec.kv_format is None else spec.num_layers
         self.k_exps = [torch.ones(shape[:-1], dtype=torch.uint8, device=device) for _ in range(exps)]
         self.v_exps = [torch.ones(shape[:-1], dtype=torch.uint8, device=device) for _ in range(exps)]
