@@ -23,7 +23,8 @@ so that a short budget truncates it rather than dropping a section):
    read per second as a fraction of the copy bandwidth; the same kernel over a sequential
    table (each sequence's blocks adjacent, the contiguous layout's memory order); torch SDPA
    (no math fallback) on that contiguous K/V; the paged kernel over fp8_e4m3 and int8 pools of
-   the same shape (issue 31: `paged_<dtype>_vs_fp16`, half the bytes). Cases whose pools would exceed 40% of free
+   the same shape (issue 31: `paged_<dtype>_vs_fp16`, half the bytes). Cases whose pools would
+   exceed 40% of free
    GPU memory are skipped with the reason. (A one-block-per-sequence table with
    block_size = context cannot be timed: the kernels are instantiated for block sizes up to
    kernels.specs.MAX_BLOCK_SIZE = 256.)
@@ -438,12 +439,26 @@ def quant_decode_ms(backend, timer: Timer, batch: PagedBatch, query, case: Decod
     row = {}
     for name in QUANT_KV_DTYPES:
         k, v = (torch.randint(0, 120, batch.k.shape, dtype=torch.uint8, device="cuda") for _ in range(2))
-        k_bytes, v_bytes = (torch.full(batch.k.shape[:-1], 150, dtype=torch.uint8, device="cuda") for _ in range(2))
+        k_bytes, v_bytes = (
+            torch.full(batch.k.shape[:-1], 150, dtype=torch.uint8, device="cuda") for _ in range(2)
+        )
         quant = KvQuantPools(name, k_bytes, v_bytes)
         calls = repeated(
             [
-                functools.partial(backend.paged_attention, query, k, v, t, seq_lens, qsl, SCALE, 1, case.context,
-                                  num_decode_seqs=case.batch, kv_quant=quant)  # fmt: skip
+                functools.partial(
+                    backend.paged_attention,
+                    query,
+                    k,
+                    v,
+                    t,
+                    seq_lens,
+                    qsl,
+                    SCALE,
+                    1,
+                    case.context,
+                    num_decode_seqs=case.batch,
+                    kv_quant=quant,
+                )
                 for t in batch.shuffled
             ]
         )
@@ -579,7 +594,14 @@ def section_decode(run: Run) -> None:
         if row is None:
             continue
         run.results.setdefault("decode", []).append(row)
-        keys = ("paged_ms", "paged_fraction_of_copy", "paged_contiguous_ms", "paged_int8_vs_fp16", "sdpa_ms", "plan")
+        keys = (
+            "paged_ms",
+            "paged_fraction_of_copy",
+            "paged_contiguous_ms",
+            "paged_int8_vs_fp16",
+            "sdpa_ms",
+            "plan",
+        )
         progress(case.name, row, keys)
         save(run.results, run.path)
 

@@ -64,9 +64,9 @@ def attention_seconds(batch: int, context: int, rounds: int, block_size: int = 1
         for kind, (code, kp, vp, kb, vb) in pools.items():
             started = time.perf_counter()
             status = ops.paged_attention(
-                out.data_ptr(), query.data_ptr(), kp.data_ptr(), vp.data_ptr(), code, kb.data_ptr(), vb.data_ptr(),
-                0.0, 0.0, tables.data_ptr(), tables.shape[1], lens.data_ptr(), qsl.data_ptr(), batch, heads,
-                kv_heads, dim, block_size, dim**-0.5, 0, torch.get_num_threads(),
+                out.data_ptr(), query.data_ptr(), kp.data_ptr(), vp.data_ptr(), code, kb.data_ptr(),
+                vb.data_ptr(), 0.0, 0.0, tables.data_ptr(), tables.shape[1], lens.data_ptr(), qsl.data_ptr(),
+                batch, heads, kv_heads, dim, block_size, dim**-0.5, 0, torch.get_num_threads(),
             )  # fmt: skip
             samples[kind].append(time.perf_counter() - started)
             if status != 0:

@@ -59,7 +59,10 @@ def fake_quant(x: torch.Tensor, fmt: str, bits: int, block: int = 0) -> torch.Te
 
 
 def variants() -> dict:
-    out = {"bf16": lambda x: x.to(torch.bfloat16).to(x.dtype), "fp16": lambda x: x.to(torch.float16).to(x.dtype)}
+    out = {
+        "bf16": lambda x: x.to(torch.bfloat16).to(x.dtype),
+        "fp16": lambda x: x.to(torch.float16).to(x.dtype),
+    }
     for fmt in FORMATS:
         for bits, label in ((0, "pow2"), (3, "m3"), (23, "fp32")):
             out[f"{fmt}/{label}"] = lambda x, f=fmt, b=bits: fake_quant(x, f, b)

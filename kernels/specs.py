@@ -15,7 +15,8 @@ each, chosen from its dtype, head_dim, block_size and GQA group size:
     quant linear     quant_linear.cu        quant_gemv_kernel<T, S, BITS, MR> for MR in GEMV_ROW_BUCKETS,
                                             quant_dequant_kernel<T, S, BITS>
 
-T in {float, f16, bf16}; KV (a quantized pool's code type) in {e4m3, e5m2, i8}; HD in HEAD_DIMS; BS a power of two up to MAX_BLOCK_SIZE; GT (query
+T in {float, f16, bf16}; KV (a quantized pool's code type) in {e4m3, e5m2, i8}; HD in HEAD_DIMS;
+BS a power of two up to MAX_BLOCK_SIZE; GT (query
 heads per CTA of the decode kernel) = next power of two >= num_heads / num_kv_heads, capped
 at 8. fp32 prefill runs on the decode kernel (it is correct for any varlen batch).
 Quantized checkpoints add one quant-linear program per (T, scale dtype S, bits) their layers
@@ -89,7 +90,8 @@ class AttentionGeometry:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {', '.join(CXX_TYPES)}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CODE_TYPES:
             raise ValueError(
-                f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; expected auto or one of {', '.join(KV_CODE_TYPES)}"
+                f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; "
+                f"expected auto or one of {', '.join(KV_CODE_TYPES)}"
             )
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"unsupported head_dim {self.head_dim}; the CUDA kernels support {HEAD_DIMS}")
@@ -158,7 +160,9 @@ def cache_ops_quant_program(dtype: str, kv_cache_dtype: str, head_dim: int) -> P
     )
 
 
-def decode_quant_program(dtype: str, kv_cache_dtype: str, head_dim: int, block_size: int, tile: int) -> ProgramSpec:
+def decode_quant_program(
+    dtype: str, kv_cache_dtype: str, head_dim: int, block_size: int, tile: int
+) -> ProgramSpec:
     t, kv = CXX_TYPES[dtype], KV_CODE_TYPES[kv_cache_dtype]
     return ProgramSpec(
         "paged_attention.cu",
@@ -169,7 +173,9 @@ def decode_quant_program(dtype: str, kv_cache_dtype: str, head_dim: int, block_s
     )
 
 
-def prefill_quant_program(dtype: str, kv_cache_dtype: str, head_dim: int, block_size: int) -> ProgramSpec | None:
+def prefill_quant_program(
+    dtype: str, kv_cache_dtype: str, head_dim: int, block_size: int
+) -> ProgramSpec | None:
     if dtype == "float32":
         return None
     t, kv = CXX_TYPES[dtype], KV_CODE_TYPES[kv_cache_dtype]

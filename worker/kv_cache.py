@@ -149,7 +149,11 @@ class PagedKVCache:
         if self.kv_format is None or not getattr(self.backend, "serves_quantized_kv", False):
             return None
         return KvQuantPools(
-            self.kv_format.name, self.k_exps[layer], self.v_exps[layer], self.k_scales[layer], self.v_scales[layer]
+            self.kv_format.name,
+            self.k_exps[layer],
+            self.v_exps[layer],
+            self.k_scales[layer],
+            self.v_scales[layer],
         )
 
     def write(self, layer: int, key: Tensor, value: Tensor, meta: AttentionMetadata) -> None:

@@ -63,8 +63,9 @@ FORMATS = {
 
 @dataclass(frozen=True, slots=True)
 class KvQuantPools:
-    """A layer's quantized-pool extras for a backend's kernels (CUDA): the format, the scale-byte pools [blocks, block_size,
-    kv_heads] (uint8) and the per-tensor scales (0.0: computed per token and head)."""
+    """A layer's quantized-pool extras for a backend's kernels (CUDA): the format, the
+    scale-byte pools [blocks, block_size, kv_heads] (uint8) and the per-tensor scales (0.0:
+    computed per token and head)."""
 
     kv_cache_dtype: str  # "fp8_e4m3" | "fp8_e5m2" | "int8"
     k_bytes: Tensor

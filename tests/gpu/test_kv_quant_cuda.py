@@ -63,14 +63,18 @@ def test_write_kernel_stores_the_oracles_codes_and_bytes(backend, name, head_dim
     assert (k_codes.view(-1, kv_heads, head_dim)[untouched.cuda()] == 0).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_attention_over_quantized_pools_matches_the_oracle(backend, name, dtype):
     """Decode rows (one pass and split-K at 1k+ keys) and prefill chunks over codes in shuffled
     blocks, against the CPU reference over the oracle's dequantized pools."""
     fmt, heads, kv_heads, head_dim, block_size = FORMATS[name], 14, 2, 64, 16
     seqs = [(1300, 1), (77, 1), (5, 1), (200, 70), (64, 64)]
-    query, k, v, tables, lens, qsl = paged_batch(seqs, block_size, kv_heads, head_dim, torch.float32, heads, 3)
+    query, k, v, tables, lens, qsl = paged_batch(
+        seqs, block_size, kv_heads, head_dim, torch.float32, heads, 3
+    )
     (k_codes, k_bytes), (v_codes, v_bytes) = (quantize(pool, fmt) for pool in (k, v))
     scale = head_dim**-0.5
     want = CPU.paged_attention(
@@ -113,4 +117,6 @@ def test_block_copies_carry_codes_and_scale_bytes_on_gpu(checkpoint):
     cache.copy_blocks([(1, 7), (2, 9)])
     for layer in range(len(cache.k_caches)):
         for pools in (cache.k_caches, cache.v_caches, cache.k_exps, cache.v_exps):
-            assert torch.equal(pools[layer][7], pools[layer][1]) and torch.equal(pools[layer][9], pools[layer][2])
+            assert torch.equal(pools[layer][7], pools[layer][1]) and torch.equal(
+                pools[layer][9], pools[layer][2]
+            )

@@ -169,5 +169,7 @@ def test_the_scale_byte_is_the_smallest_that_fits_the_amax(name):
     assert (scale_of(got[inside]) >= quotient[inside]).all()
     below = got[inside].int() - 1
     assert (scale_of(below[below >= 0].to(torch.uint8)) < quotient[inside][below >= 0]).all()
-    assert (got[quotient <= scale_of(byte[:1])] == 0).all() and (got[quotient > scale_of(byte[-1:])] == 255).all()
+    assert (got[quotient <= scale_of(byte[:1])] == 0).all() and (
+        got[quotient > scale_of(byte[-1:])] == 255
+    ).all()
     assert torch.equal(scale_bytes(scale_of(byte) * fmt.qmax, fmt), byte)

@@ -31,7 +31,8 @@ void encode_both(int fmt, const float *y, int64_t n, uint8_t *cpu, uint8_t *cuh)
     for (int64_t i = 0; i < n; ++i) cpu[i] = kv_encode(y[i], fmt), cuh[i] = kvq_encode(y[i], fmt);
 }
 void scale_bytes_both(int fmt, const float *amax, int64_t n, uint8_t *cpu, uint8_t *cuh) {
-    for (int64_t i = 0; i < n; ++i) cpu[i] = kv_scale_byte(amax[i], fmt), cuh[i] = kvq_scale_byte(amax[i], fmt);
+    for (int64_t i = 0; i < n; ++i)
+        cpu[i] = kv_scale_byte(amax[i], fmt), cuh[i] = kvq_scale_byte(amax[i], fmt);
 }
 void scales_of_both(float *cpu, float *cuh) {
     for (int b = 0; b < 256; ++b) cpu[b] = kv_scale_of((uint8_t)b), cuh[b] = kvq_scale_of((unsigned char)b);
@@ -41,7 +42,9 @@ void quantize_cuh(int fmt, const float *x, const uint8_t *bytes, int64_t rows, i
         for (int64_t d = 0; d < dim; ++d) codes[r * dim + d] = kvq_quantize(x[r * dim + d], bytes[r], fmt);
 }
 int scale_byte_cuh(float amax, int fmt) { return kvq_scale_byte(amax, fmt); }
-long long scale_index_cuh(long long slot, int kv_heads, int head) { return kvq_scale_index(slot, kv_heads, head); }
+long long scale_index_cuh(long long slot, int kv_heads, int head) {
+    return kvq_scale_index(slot, kv_heads, head);
+}
 """
 
 
@@ -117,7 +120,9 @@ def test_scale_bytes_and_scales_are_the_cpu_kernels(shim, name):
     assert np.array_equal(cpu, cuh)
     cpu_s, cuh_s = np.empty(256, np.float32), np.empty(256, np.float32)
     shim.scales_of_both(ptr(cpu_s), ptr(cuh_s))
-    assert np.array_equal(cpu_s, cuh_s) and np.array_equal(cuh_s, scale_of(torch.arange(256, dtype=torch.uint8)).numpy())
+    assert np.array_equal(cpu_s, cuh_s) and np.array_equal(
+        cuh_s, scale_of(torch.arange(256, dtype=torch.uint8)).numpy()
+    )
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -127,7 +132,9 @@ def test_a_head_quantizes_to_the_oracles_codes(shim, name):
     fmt = FORMATS[name]
     gen = torch.Generator().manual_seed(11)
     rows, dim = 500, 64
-    x = torch.randn(rows, dim, generator=gen) * torch.pow(10.0, torch.empty(rows, 1).uniform_(-8, 7, generator=gen))
+    x = torch.randn(rows, dim, generator=gen) * torch.pow(
+        10.0, torch.empty(rows, 1).uniform_(-8, 7, generator=gen)
+    )
     x[::9] = 0.0
     want_codes, want_bytes = quantize(x, fmt)
     amax = x.abs().amax(-1).numpy()
@@ -136,7 +143,9 @@ def test_a_head_quantizes_to_the_oracles_codes(shim, name):
     assert np.array_equal(got_bytes, want_bytes.numpy())
     codes = np.empty((rows, dim), np.uint8)
     xs = np.ascontiguousarray(x.numpy())
-    shim.quantize_cuh(fmt.code, ptr(xs), ptr(got_bytes), ctypes.c_int64(rows), ctypes.c_int64(dim), ptr(codes))
+    shim.quantize_cuh(
+        fmt.code, ptr(xs), ptr(got_bytes), ctypes.c_int64(rows), ctypes.c_int64(dim), ptr(codes)
+    )
     assert np.array_equal(codes, want_codes.numpy())
 
 
@@ -147,7 +156,9 @@ def test_scale_bytes_are_found_where_the_pools_keep_them(shim):
     shim.scale_index_cuh.restype = ctypes.c_longlong
     blocks, block_size, kv_heads, head_dim = 5, 8, 3, 16
     pool = torch.arange(blocks * block_size * kv_heads).reshape(blocks, block_size, kv_heads)
-    codes = torch.arange(blocks * block_size * kv_heads * head_dim).reshape(blocks, block_size, kv_heads, head_dim)
+    codes = torch.arange(blocks * block_size * kv_heads * head_dim).reshape(
+        blocks, block_size, kv_heads, head_dim
+    )
     for block, offset, head in [(0, 0, 0), (4, 7, 2), (2, 3, 1), (3, 0, 2)]:
         at = shim.scale_index_cuh(ctypes.c_longlong(block * block_size + offset), kv_heads, head)
         assert at == pool[block, offset, head]

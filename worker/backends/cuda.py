@@ -167,7 +167,13 @@ class CudaAttentionBackend:
         kernel.launch(write_kv_launch(num_tokens), args, self._stream())
 
     def write_kv_quantized(
-        self, k_cache: Tensor, v_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor, quant: KvQuantPools
+        self,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        key: Tensor,
+        value: Tensor,
+        slot_mapping: Tensor,
+        quant: KvQuantPools,
     ) -> None:
         """Quantize this step's K/V (model dtype) into code pools and their scale bytes."""
         num_tokens = key.shape[0]
