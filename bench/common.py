@@ -79,24 +79,36 @@ def decode_step_seconds(worker, batch: int, steps: int, warmup: int = 2, seed: i
     return decode_steps_lockstep({batch: worker}, steps, warmup, seed)[batch]
 
 
-def decode_steps_lockstep(workers: dict[int, object], steps: int, warmup: int = 2, seed: int = 0) -> dict:
-    """`decode_step_seconds` for several batch sizes at once, one worker per batch size (seq
-    ids would collide in one), stepping the engines in turn so that a burst of background
-    load on this shared machine lands on every batch size alike, not on one of them."""
-    timed = {batch: TimedWorker(w) for batch, w in workers.items()}
+def decode_steps_lockstep(
+    workers: dict, steps: int, warmup: int = 2, seed: int = 0, batch: int | None = None, prompt_len: int = 32
+) -> dict:
+    """`decode_step_seconds` for several workers at once, stepping their engines in turn so that
+    a burst of background load on this shared machine lands on every one alike. Keys are batch
+    sizes (one worker per batch size: seq ids would collide in one), or, given `batch`, any
+    labels of an A/B at one batch size. Prompts of `prompt_len` tokens (the context the decodes
+    attend to) are prefilled first, in as many chunks as the token budget needs; only steps that
+    decode every sequence count."""
+    sizes = {key: batch or key for key in workers}
+    timed = {key: TimedWorker(w) for key, w in workers.items()}
     engines = {}
-    for batch, t in timed.items():
-        engines[batch] = engine_for(t, max_num_seqs=batch, caching=False)
-        add_requests(engines[batch], random.Random(seed), batch, 32, warmup + steps + 1, f"d{batch}")
-        engines[batch].step()  # the prefill of every prompt (the token budget covers them all)
-        t.samples.clear()
-    while any(e.scheduler.has_pending_work() for e in engines.values()):
+    for key, t in timed.items():
+        engines[key] = engine_for(t, max_num_seqs=sizes[key], caching=False)
+        prefill_steps = -(-sizes[key] * prompt_len // 8192)  # engine_for's token budget
+        # early prompts decode while later ones prefill: enough tokens to reach the full steps
+        max_tokens = warmup + steps + 1 + prefill_steps
+        add_requests(engines[key], random.Random(seed), sizes[key], prompt_len, max_tokens, f"d{key}")
+
+    def full_decodes(key) -> list[float]:
+        return [s for n, k, s in timed[key].samples if n == sizes[key] and k == sizes[key]]
+
+    while any(len(full_decodes(key)) < warmup + steps for key in engines):
+        if not all(e.scheduler.has_pending_work() for e in engines.values()):
+            raise AssertionError(f"the requests finished before {warmup + steps} full decode steps")
         for engine in engines.values():
             engine.step()
     result = {}
-    for batch, t in timed.items():
-        decodes = [s for n, k, s in t.samples if n == batch and k == batch]
-        if len(decodes) < warmup + steps:
-            raise AssertionError(f"expected {warmup + steps} full decode steps, saw {len(decodes)}")
-        result[batch] = median(decodes[warmup : warmup + steps])
+    for key, engine in engines.items():
+        result[key] = median(full_decodes(key)[warmup : warmup + steps])
+        engine.scheduler.abort_all()
+        engine.run_to_completion()
     return result

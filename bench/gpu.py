@@ -22,7 +22,9 @@ so that a short budget truncates it rather than dropping a section):
    block 16, GQA groups 4/8/1 (8/4/32 KV heads) x contexts 1k-32k x batches 1/8/64: K/V bytes
    read per second as a fraction of the copy bandwidth; the same kernel over a sequential
    table (each sequence's blocks adjacent, the contiguous layout's memory order); torch SDPA
-   (no math fallback) on that contiguous K/V. Cases whose pools would exceed 40% of free
+   (no math fallback) on that contiguous K/V; the paged kernel over fp8_e4m3 and int8 pools of
+   the same shape (issue 31: `paged_<dtype>_vs_fp16`, half the bytes). Cases whose pools would
+   exceed 40% of free
    GPU memory are skipped with the reason. (A one-block-per-sequence table with
    block_size = context cannot be timed: the kernels are instantiated for block sizes up to
    kernels.specs.MAX_BLOCK_SIZE = 256.)
@@ -425,6 +427,46 @@ def decode_calls(backend, batch: PagedBatch, tables, query, case: DecodeCase) ->
     )
 
 
+QUANT_KV_DTYPES = ("fp8_e4m3", "int8")  # issue 31: the decode kernel over 1-byte codes
+
+
+def quant_decode_ms(backend, timer: Timer, batch: PagedBatch, query, case: DecodeCase) -> dict:
+    """The same decode over quantized pools (random codes and scale bytes, the fp16 pools'
+    shape and tables): half the KV bytes; the issue's goal is a faster kernel at long contexts."""
+    from worker.kv_quant import KvQuantPools
+
+    seq_lens, qsl = lengths([(case.context, 1)] * case.batch)
+    row = {}
+    for name in QUANT_KV_DTYPES:
+        k, v = (torch.randint(0, 120, batch.k.shape, dtype=torch.uint8, device="cuda") for _ in range(2))
+        k_bytes, v_bytes = (
+            torch.full(batch.k.shape[:-1], 150, dtype=torch.uint8, device="cuda") for _ in range(2)
+        )
+        quant = KvQuantPools(name, k_bytes, v_bytes)
+        calls = repeated(
+            [
+                functools.partial(
+                    backend.paged_attention,
+                    query,
+                    k,
+                    v,
+                    t,
+                    seq_lens,
+                    qsl,
+                    SCALE,
+                    1,
+                    case.context,
+                    num_decode_seqs=case.batch,
+                    kv_quant=quant,
+                )
+                for t in batch.shuffled
+            ]
+        )
+        row[f"paged_{name}_ms"], _ = timer.per_call_ms(calls)
+        del k, v
+    return row
+
+
 def sdpa_decode_calls(batch: PagedBatch, query, case: DecodeCase, copies: int) -> list[Callable[[], object]]:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     q = query.view(case.batch, HEADS, 1, HEAD_DIM)
@@ -456,6 +498,9 @@ def decode_case(backend, timer: Timer, case: DecodeCase, copy_gbs: float) -> dic
     row["paged_contiguous_ms"], _ = timer.per_call_ms(
         decode_calls(backend, batch, batch.sequential, query, case)
     )
+    row |= quant_decode_ms(backend, timer, batch, query, case)
+    for name in QUANT_KV_DTYPES:
+        row[f"paged_{name}_vs_fp16"] = row[f"paged_{name}_ms"] / row["paged_ms"]
     row["sdpa_ms"], row["sdpa_method"] = sdpa_ms(timer, sdpa_decode_calls(batch, query, case, copies))
     if row["sdpa_ms"] is None:
         row["note"] = row["sdpa_method"]  # why SDPA has no time
@@ -549,7 +594,14 @@ def section_decode(run: Run) -> None:
         if row is None:
             continue
         run.results.setdefault("decode", []).append(row)
-        keys = ("paged_ms", "paged_fraction_of_copy", "paged_contiguous_ms", "sdpa_ms", "plan")
+        keys = (
+            "paged_ms",
+            "paged_fraction_of_copy",
+            "paged_contiguous_ms",
+            "paged_int8_vs_fp16",
+            "sdpa_ms",
+            "plan",
+        )
         progress(case.name, row, keys)
         save(run.results, run.path)
 

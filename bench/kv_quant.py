@@ -8,6 +8,9 @@ own worker; all are stepped in lock step (background load hits all alike).
 
 - decode step at batch 64 (full run; 16 quick) with every sequence at CONTEXT tokens (2048 full,
   256 quick), median over the steps after a warm-up; ratio = quantized / bf16 (goal <= 1.05);
+- the attention kernel alone (kernels/cpu_attention.c paged_attention, the same batch and
+  context, the default model's heads, pools of each dtype filled with random K/V), the three
+  interleaved, median over rounds: the step figure minus everything that is not attention;
 - accuracy on one fixed random token stream, teacher-forced (prefill of the stream, one
   decode step per position): perplexity of the stream under each cache, top-1 agreement with
   and max logit error against the bf16 cache's logits.
@@ -18,11 +21,12 @@ Run: `python -m bench.kv_quant [--quick]`.
 from __future__ import annotations
 
 import random
+import time
 
 import torch
 
 from base.plan import ContinuingSequence, NewSequence, Plan, SamplingParams
-from bench.common import TimedWorker, engine_for, median
+from bench.common import decode_steps_lockstep, median
 from bench.suite_cli import suite_main
 from worker.worker import Worker
 from worker.worker_config import WorkerConfig
@@ -38,33 +42,36 @@ def _worker(kv_cache_dtype: str, max_model_len: int, batch: int) -> Worker:
     return Worker(config)
 
 
-def decode_step_seconds(workers: dict, batch: int, context: int, steps: int) -> dict:
-    """Median decode step seconds per worker with `batch` sequences at ~`context` tokens."""
-    vocab = next(iter(workers.values())).describe().vocab_size
-    timed = {kind: TimedWorker(w) for kind, w in workers.items()}
-    engines = {kind: engine_for(t, max_num_seqs=batch, caching=False) for kind, t in timed.items()}
-    for engine in engines.values():
-        rng = random.Random(batch)
-        for i in range(batch):
-            tokens = [rng.randrange(vocab) for _ in range(context)]
-            # long enough that the first prompts still decode when the last prefill chunk ran
-            engine.add_request(f"d{i}", tokens, SamplingParams(max_tokens=56, ignore_eos=True))
+def attention_seconds(batch: int, context: int, rounds: int, block_size: int = 16) -> dict:
+    """Median seconds of one decode attention call over bf16 / quantized pools (interleaved)."""
+    from kernels.cpu_build import DTYPES, load_cpu_ops
+    from worker.kv_quant import FORMATS, quantize
 
-    def decodes(t: TimedWorker) -> list[float]:
-        return [s for n, k, s in t.samples if n == batch and k == batch]
-
-    while min(len(decodes(t)) for t in timed.values()) < steps + 1:  # prefill chunks, then decodes
-        if not all(engine.has_work() for engine in engines.values()):
-            raise RuntimeError("the requests finished before enough batched decode steps")
-        for engine in engines.values():
-            engine.step()
-    result = {}
-    for kind, t in timed.items():
-        result[kind] = median(decodes(t)[1:])  # the first: warm-up
-        for i in range(batch):
-            engines[kind].scheduler.abort_request(f"d{i}")
-        engines[kind].run_to_completion()
-    return result
+    ops, heads, kv_heads, dim = load_cpu_ops(), 8, 2, 64
+    blocks = batch * context // block_size
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(blocks + 1, block_size, kv_heads, dim, generator=gen) for _ in range(2))
+    tables = (torch.randperm(blocks, generator=gen) + 1).to(torch.int32).view(batch, -1).contiguous()
+    lens, qsl = torch.full((batch,), context, dtype=torch.int32), torch.arange(batch + 1, dtype=torch.int32)
+    query = torch.randn(batch, heads, dim, generator=gen)
+    out, none = torch.empty_like(query), torch.zeros(1, dtype=torch.uint8)
+    pools = {"auto": (DTYPES["bfloat16"], k.bfloat16(), v.bfloat16(), none, none)}
+    for kind in KV_DTYPES[1:]:
+        (kc, kb), (vc, vb) = quantize(k, FORMATS[kind]), quantize(v, FORMATS[kind])
+        pools[kind] = (FORMATS[kind].code, kc, vc, kb, vb)
+    samples: dict = {kind: [] for kind in pools}
+    for _ in range(rounds + 1):  # the first round: warm-up
+        for kind, (code, kp, vp, kb, vb) in pools.items():
+            started = time.perf_counter()
+            status = ops.paged_attention(
+                out.data_ptr(), query.data_ptr(), kp.data_ptr(), vp.data_ptr(), code, kb.data_ptr(),
+                vb.data_ptr(), 0.0, 0.0, tables.data_ptr(), tables.shape[1], lens.data_ptr(), qsl.data_ptr(),
+                batch, heads, kv_heads, dim, block_size, dim**-0.5, 0, torch.get_num_threads(),
+            )  # fmt: skip
+            samples[kind].append(time.perf_counter() - started)
+            if status != 0:
+                raise RuntimeError(f"paged_attention returned {status}")
+    return {kind: median(s[1:]) for kind, s in samples.items()}
 
 
 def teacher_forced_logits(worker: Worker, stream: list[int]) -> torch.Tensor:
@@ -102,13 +109,18 @@ def accuracy(workers: dict, length: int) -> dict:
 
 
 def run(quick: bool = False) -> dict:
-    batch, context, steps = (16, 256, 4) if quick else (64, 2048, 5)
+    batch, context, steps = (16, 256, 4) if quick else (64, 2048, 9)
     workers = {kind: _worker(kind, context + 64, batch) for kind in KV_DTYPES}
-    times = decode_step_seconds(workers, batch, context, steps)
+    times = decode_steps_lockstep(workers, steps, warmup=1, batch=batch, prompt_len=context)
     res = {"batch": batch, "context": context, "bf16_decode_step_ms": times["auto"] * 1e3}
     for kind in KV_DTYPES[1:]:
         res[f"{kind}_decode_step_ms"] = times[kind] * 1e3
         res[f"{kind}_decode_step_vs_bf16"] = times[kind] / times["auto"]
+    attention = attention_seconds(batch, context, 5 if quick else 15)
+    res["bf16_attention_ms"] = attention["auto"] * 1e3
+    for kind in KV_DTYPES[1:]:
+        res[f"{kind}_attention_ms"] = attention[kind] * 1e3
+        res[f"{kind}_attention_vs_bf16"] = attention[kind] / attention["auto"]
     for w in workers.values():
         w.reset()
     res.update(accuracy(workers, 128 if quick else 1024))

@@ -10,7 +10,7 @@
  * contiguous layouts (a row = one big block) give bit-identical results.
  *
  * Quantized pools (fp8 / int8 codes, cpu_kv_quant.h) decode in the same registers; each key's
- * scale (its E8M0 byte beside the block, times the tensor scale) multiplies that key's score
+ * scale (its byte beside the block, times the tensor scale) multiplies that key's score
  * (K) or probability (V), never a widened copy of the pool.
  */
 #include <stdlib.h>

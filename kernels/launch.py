@@ -69,6 +69,12 @@ COPY_BLOCKS_SIGNATURE = (PTR, PTR, I64)
 DECODE_SIGNATURE = (PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, I32, PTR, PTR, I32, I32, I32, F32, I32)
 REDUCE_SIGNATURE = (PTR, PTR, PTR, PTR, PTR, I32, I32, I32)
 PREFILL_SIGNATURE = (PTR, PTR, I64, PTR, PTR, PTR, I32, PTR, PTR, I32, I32, F32)
+# Quantized KV pools (issue 31): the attention kernels take their unquantized arguments, then
+# (k scale bytes, v scale bytes, k tensor scale, v tensor scale).
+KV_SCALES_SIGNATURE = (PTR, PTR, F32, F32)
+WRITE_KV_QUANT_SIGNATURE = (PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, I32, F32, F32)
+DECODE_QUANT_SIGNATURE = DECODE_SIGNATURE + KV_SCALES_SIGNATURE
+PREFILL_QUANT_SIGNATURE = PREFILL_SIGNATURE + KV_SCALES_SIGNATURE
 # The quantized-linear kernels' parameters by name (quant_linear.cu), for `named_args`.
 QUANT_GEMV_PARAMS = (
     ("y", PTR), ("x", PTR), ("x_stride", I64), ("qweight", PTR), ("qparams", PTR), ("bias", PTR),

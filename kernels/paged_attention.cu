@@ -26,6 +26,7 @@
 // graph was captured for serves every shorter one. Shared memory depends on the template
 // parameters and `partition_tokens` (fixed geometry), never on a sequence length.
 #include "common.cuh"
+#include "kv_quant.cuh"
 
 namespace pkv {
 
@@ -91,11 +92,14 @@ __device__ __forceinline__ void merge_across_token_groups(RowState<GT>& st) {
 }
 
 // Processes keys [begin, end) of one row for GT heads: the warp's share of the partition.
-template <typename T, int HD, int BS, int GT>
+// KV is the pools' element type: T, or a code type (kv_quant.cuh), whose 8-byte rows decode
+// in registers; each key's scale multiplies its score (K) and its probability (V).
+template <typename T, typename KV, int HD, int BS, int GT>
 __device__ __forceinline__ void attend_partition(RowState<GT>& st, const float (&q)[GT][8],
-                                                 const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                                                 const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
                                                  const int* s_blocks, int begin, int end, int kv_head,
-                                                 int num_kv_heads) {
+                                                 int num_kv_heads, const KvScales& scales) {
+  constexpr bool kQuantized = KvCode<KV>::kQuantized;
   constexpr int LPT = HD / 8;
   constexpr int TPG = 32 / LPT;
   constexpr int U = DecodeConfig<T, GT>::kUnroll;
@@ -106,7 +110,8 @@ __device__ __forceinline__ void attend_partition(RowState<GT>& st, const float (
   const int lane_dim = (lane % LPT) * 8;
 
   for (int base = begin + warp * kChunk; base < end; base += kDecodeWarps * kChunk) {
-    Vec8<T> kv[U], vv[U];
+    KvVec8<KV> kv[U], vv[U];
+    float ks[U], vs[U];  // quantized: each token's scales
     bool valid[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -118,9 +123,14 @@ __device__ __forceinline__ void attend_partition(RowState<GT>& st, const float (
         const i64 off = kv_offset(slot, num_kv_heads, kv_head, HD) + lane_dim;
         kv[u].load(k_cache + off);
         vv[u].load(v_cache + off);
+        if constexpr (kQuantized) {
+          ks[u] = scales.key(slot, num_kv_heads, kv_head);
+          vs[u] = scales.value(slot, num_kv_heads, kv_head);
+        }
       } else {
         kv[u].zero();
         vv[u].zero();
+        if constexpr (kQuantized) ks[u] = vs[u] = 0.f;
       }
     }
     float s[U][GT];
@@ -135,6 +145,7 @@ __device__ __forceinline__ void attend_partition(RowState<GT>& st, const float (
         for (int e = 0; e < 8; ++e) dot = fmaf(q[g][e], k[e], dot);
 #pragma unroll
         for (int offset = LPT / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        if constexpr (kQuantized) dot *= ks[u];
         s[u][g] = valid[u] ? dot : neg_inf();
       }
     }
@@ -159,8 +170,9 @@ __device__ __forceinline__ void attend_partition(RowState<GT>& st, const float (
 #pragma unroll
       for (int g = 0; g < GT; ++g) {
         st.l[g] += s[u][g];
+        const float p = kQuantized ? s[u][g] * vs[u] : s[u][g];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) st.acc[g][e] = fmaf(s[u][g], v[e], st.acc[g][e]);
+        for (int e = 0; e < 8; ++e) st.acc[g][e] = fmaf(p, v[e], st.acc[g][e]);
       }
     }
   }
@@ -217,13 +229,14 @@ __device__ __forceinline__ void write_row_result(const MergeSmem<HD, GT>& sm, T*
 // query    [rows, num_heads, HD] with row stride q_stride (elements), heads contiguous
 // block_tables int32 [num_seqs, table_stride]; seq_lens int32 [num_seqs]; qsl int32 [num_seqs + 1]
 // Dynamic shared memory: (partition_tokens / BS) ints (the partition's block ids).
-template <typename T, int HD, int BS, int GT>
-__global__ void __launch_bounds__(kDecodeThreads)
-    paged_attention_kernel(T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
-                           const T* __restrict__ query, i64 q_stride, const T* __restrict__ k_cache,
-                           const T* __restrict__ v_cache, const int* __restrict__ block_tables, int table_stride,
-                           const int* __restrict__ seq_lens, const int* __restrict__ qsl, int num_seqs,
-                           int num_heads, int num_kv_heads, float scale_log2, int partition_tokens) {
+template <typename T, typename KV, int HD, int BS, int GT>
+__device__ __forceinline__ void decode_rows(T* __restrict__ out, float* __restrict__ part_out,
+                                            float* __restrict__ part_ml, const T* __restrict__ query, i64 q_stride,
+                                            const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
+                                            const int* __restrict__ block_tables, int table_stride,
+                                            const int* __restrict__ seq_lens, const int* __restrict__ qsl,
+                                            int num_seqs, int num_heads, int num_kv_heads, float scale_log2,
+                                            int partition_tokens, const KvScales& scales) {
   static_assert(HD % 8 == 0 && HD / 8 <= 32 && (32 % (HD / 8)) == 0, "HD / 8 must divide 32");
   static_assert(GT >= 1 && GT <= 8, "GT in [1, 8]");
   extern __shared__ int s_blocks[];
@@ -267,7 +280,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
   RowState<GT> st;
   st.init();
-  attend_partition<T, HD, BS, GT>(st, q, k_cache, v_cache, s_blocks, begin, end, kv_head, num_kv_heads);
+  attend_partition<T, KV, HD, BS, GT>(st, q, k_cache, v_cache, s_blocks, begin, end, kv_head, num_kv_heads,
+                                      scales);
   merge_across_token_groups<GT, HD / 8>(st);
 
   const int warp = threadIdx.x / 32;
@@ -284,6 +298,38 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   __syncthreads();
   write_row_result<T, HD, GT>(sm, out, part_out, part_ml, row, head0, num_heads_here, num_heads);
+}
+
+
+// The model-dtype pools: KV = T, no scales.
+template <typename T, int HD, int BS, int GT>
+__global__ void __launch_bounds__(kDecodeThreads)
+    paged_attention_kernel(T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
+                           const T* __restrict__ query, i64 q_stride, const T* __restrict__ k_cache,
+                           const T* __restrict__ v_cache, const int* __restrict__ block_tables, int table_stride,
+                           const int* __restrict__ seq_lens, const int* __restrict__ qsl, int num_seqs,
+                           int num_heads, int num_kv_heads, float scale_log2, int partition_tokens) {
+  decode_rows<T, T, HD, BS, GT>(out, part_out, part_ml, query, q_stride, k_cache, v_cache, block_tables,
+                                table_stride, seq_lens, qsl, num_seqs, num_heads, num_kv_heads, scale_log2,
+                                partition_tokens, KvScales{nullptr, nullptr, 1.f, 1.f});
+}
+
+// Quantized pools (issue 31): codes of type KV (e4m3 / e5m2 / i8) and their scale bytes
+// [slots, num_kv_heads]; k_tensor_scale / v_tensor_scale the checkpoint's (1 when computed).
+// The same arguments as paged_attention_kernel, then the scales.
+template <typename T, typename KV, int HD, int BS, int GT>
+__global__ void __launch_bounds__(kDecodeThreads)
+    paged_attention_quant_kernel(T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
+                                 const T* __restrict__ query, i64 q_stride, const KV* __restrict__ k_cache,
+                                 const KV* __restrict__ v_cache, const int* __restrict__ block_tables,
+                                 int table_stride, const int* __restrict__ seq_lens, const int* __restrict__ qsl,
+                                 int num_seqs, int num_heads, int num_kv_heads, float scale_log2,
+                                 int partition_tokens, const unsigned char* __restrict__ k_scales,
+                                 const unsigned char* __restrict__ v_scales, float k_tensor_scale,
+                                 float v_tensor_scale) {
+  decode_rows<T, KV, HD, BS, GT>(out, part_out, part_ml, query, q_stride, k_cache, v_cache, block_tables,
+                                 table_stride, seq_lens, qsl, num_seqs, num_heads, num_kv_heads, scale_log2,
+                                 partition_tokens, KvScales{k_scales, v_scales, k_tensor_scale, v_tensor_scale});
 }
 
 // Merges the partitions written by paged_attention_kernel (gridDim.z = num_partitions > 1).

@@ -21,6 +21,7 @@
 // bytes so that ldmatrix reads of 8 consecutive rows hit distinct banks.
 #include "common.cuh"
 #include "mma.cuh"
+#include "kv_quant.cuh"
 
 namespace pkv {
 
@@ -36,12 +37,45 @@ struct PrefillConfig {
   static constexpr int kSmemElems = kBlockM * kStride + 4 * kBlockN * kStride;
 };
 
-// Issues cp.async for one K and one V tile (keys [n0, n0 + kBlockN)) into `stage`.
-template <typename T, int HD, int BS>
+// Issues cp.async for one K and one V tile (keys [n0, n0 + kBlockN)) into `stage`. Quantized
+// pools (KV a code type, kv_quant.cuh): each thread loads 8 codes and the token's scale,
+// decodes them in registers to T and stores them to the tile (synchronously; the tile is read
+// after the next __syncthreads, like the cp.async stages): never more than the tile decoded.
+template <typename T, typename KV, int HD, int BS>
 __device__ __forceinline__ void load_kv_tile(T* sK, T* sV, int stage, int n0, int n_end, const int* table,
-                                             const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-                                             int kv_head, int num_kv_heads) {
+                                             const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
+                                             int kv_head, int num_kv_heads, const KvScales& scales) {
   using C = PrefillConfig<HD>;
+  if constexpr (KvCode<KV>::kQuantized) {
+    for (int i = threadIdx.x; i < C::kBlockN * C::kChunks; i += C::kThreads) {
+      const int r = i / C::kChunks;
+      const int c = (i % C::kChunks) * 8;
+      const int t = n0 + r;
+      Vec8<T> k8, v8;
+      if (t < n_end) {
+        const i64 slot = (i64)__ldg(table + t / BS) * BS + (t % BS);
+        const i64 off = kv_offset(slot, num_kv_heads, kv_head, HD) + c;
+        KvVec8<KV> kc, vc;
+        kc.load(k_cache + off);
+        vc.load(v_cache + off);
+        float kf[8], vf[8];
+        kc.to_floats(kf);
+        vc.to_floats(vf);
+        const float ks = scales.key(slot, num_kv_heads, kv_head), vs = scales.value(slot, num_kv_heads, kv_head);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) kf[e] *= ks, vf[e] *= vs;
+        k8.from_floats(kf);
+        v8.from_floats(vf);
+      } else {
+        k8.zero();
+        v8.zero();
+      }
+      const int s = (stage * C::kBlockN + r) * C::kStride + c;
+      k8.store(sK + s);
+      v8.store(sV + s);
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < C::kBlockN * C::kChunks; i += C::kThreads) {
     const int r = i / C::kChunks;
     const int c = (i % C::kChunks) * 8;
@@ -53,8 +87,8 @@ __device__ __forceinline__ void load_kv_tile(T* sK, T* sV, int stage, int n0, in
       off = kv_offset(slot, num_kv_heads, kv_head, HD) + c;
     }
     const int s = (stage * C::kBlockN + r) * C::kStride + c;
-    cp_async16(smem_addr(sK + s), k_cache + off, valid);
-    cp_async16(smem_addr(sV + s), v_cache + off, valid);
+    cp_async16(smem_addr(sK + s), reinterpret_cast<const T*>(k_cache) + off, valid);
+    cp_async16(smem_addr(sV + s), reinterpret_cast<const T*>(v_cache) + off, valid);
   }
 }
 
@@ -196,13 +230,13 @@ __device__ __forceinline__ void store_output(T* __restrict__ out, T* sQ, float (
 }
 
 // out [rows, num_heads, HD] (contiguous); query [rows, num_heads, HD] with row stride q_stride.
-template <typename T, int HD, int BS>
-__global__ void __launch_bounds__(PrefillConfig<HD>::kThreads)
-    prefill_attention_kernel(T* __restrict__ out, const T* __restrict__ query, i64 q_stride,
-                             const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-                             const int* __restrict__ block_tables, int table_stride,
-                             const int* __restrict__ seq_lens, const int* __restrict__ qsl, int num_heads,
-                             int num_kv_heads, float scale_log2) {
+template <typename T, typename KV, int HD, int BS>
+__device__ __forceinline__ void prefill_tile(T* __restrict__ out, const T* __restrict__ query, i64 q_stride,
+                                             const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
+                                             const int* __restrict__ block_tables, int table_stride,
+                                             const int* __restrict__ seq_lens, const int* __restrict__ qsl,
+                                             int num_heads, int num_kv_heads, float scale_log2,
+                                             const KvScales& scales) {
   using C = PrefillConfig<HD>;
   static_assert(HD % 16 == 0 && HD <= 256, "HD must be a multiple of 16, at most 256");
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -230,7 +264,7 @@ __global__ void __launch_bounds__(PrefillConfig<HD>::kThreads)
     const T* src = query + (i64)(q_begin + m0 + (valid ? r : 0)) * q_stride + (i64)head * HD + c;
     cp_async16(smem_addr(sQ + r * C::kStride + c), src, valid);
   }
-  load_kv_tile<T, HD, BS>(sK, sV, 0, 0, n_end, table, k_cache, v_cache, kv_head, num_kv_heads);
+  load_kv_tile<T, KV, HD, BS>(sK, sV, 0, 0, n_end, table, k_cache, v_cache, kv_head, num_kv_heads, scales);
   cp_async_commit();
 
   const int warp = threadIdx.x / 32;
@@ -245,8 +279,8 @@ __global__ void __launch_bounds__(PrefillConfig<HD>::kThreads)
 
   for (int j = 0; j < num_tiles; ++j) {
     if (j + 1 < num_tiles) {
-      load_kv_tile<T, HD, BS>(sK, sV, (j + 1) & 1, (j + 1) * C::kBlockN, n_end, table, k_cache, v_cache,
-                              kv_head, num_kv_heads);
+      load_kv_tile<T, KV, HD, BS>(sK, sV, (j + 1) & 1, (j + 1) * C::kBlockN, n_end, table, k_cache, v_cache,
+                                  kv_head, num_kv_heads, scales);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -270,6 +304,34 @@ __global__ void __launch_bounds__(PrefillConfig<HD>::kThreads)
     __syncthreads();
   }
   store_output<T, HD>(out, sQ, o, l, (i64)(q_begin + m0), rows_valid, num_heads, head);
+}
+
+// out [rows, num_heads, HD] (contiguous); query [rows, num_heads, HD] with row stride q_stride.
+template <typename T, int HD, int BS>
+__global__ void __launch_bounds__(PrefillConfig<HD>::kThreads)
+    prefill_attention_kernel(T* __restrict__ out, const T* __restrict__ query, i64 q_stride,
+                             const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                             const int* __restrict__ block_tables, int table_stride,
+                             const int* __restrict__ seq_lens, const int* __restrict__ qsl, int num_heads,
+                             int num_kv_heads, float scale_log2) {
+  prefill_tile<T, T, HD, BS>(out, query, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, qsl,
+                             num_heads, num_kv_heads, scale_log2, KvScales{nullptr, nullptr, 1.f, 1.f});
+}
+
+// Quantized pools (issue 31): the same arguments, then the scale bytes [slots, num_kv_heads]
+// and the per-tensor scales (1 when computed).
+template <typename T, typename KV, int HD, int BS>
+__global__ void __launch_bounds__(PrefillConfig<HD>::kThreads)
+    prefill_attention_quant_kernel(T* __restrict__ out, const T* __restrict__ query, i64 q_stride,
+                                   const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
+                                   const int* __restrict__ block_tables, int table_stride,
+                                   const int* __restrict__ seq_lens, const int* __restrict__ qsl, int num_heads,
+                                   int num_kv_heads, float scale_log2, const unsigned char* __restrict__ k_scales,
+                                   const unsigned char* __restrict__ v_scales, float k_tensor_scale,
+                                   float v_tensor_scale) {
+  prefill_tile<T, KV, HD, BS>(out, query, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, qsl,
+                              num_heads, num_kv_heads, scale_log2,
+                              KvScales{k_scales, v_scales, k_tensor_scale, v_tensor_scale});
 }
 
 }  // namespace pkv

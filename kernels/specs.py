@@ -8,10 +8,15 @@ each, chosen from its dtype, head_dim, block_size and GQA group size:
     decode           paged_attention.cu     paged_attention_kernel<T, HD, BS, GT>,
                                             paged_attention_reduce_kernel<T, HD>
     prefill          prefill_attention.cu   prefill_attention_kernel<T, HD, BS>  (fp16/bf16 only)
+    quantized KV     cache_ops.cu           write_kv_quant_kernel<T, KV, HD>, copy_blocks_kernel
+    (issue 31)       paged_attention.cu     paged_attention_quant_kernel<T, KV, HD, BS, GT>,
+                                            paged_attention_reduce_kernel<T, HD>
+                     prefill_attention.cu   prefill_attention_quant_kernel<T, KV, HD, BS>  (fp16/bf16)
     quant linear     quant_linear.cu        quant_gemv_kernel<T, S, BITS, MR> for MR in GEMV_ROW_BUCKETS,
                                             quant_dequant_kernel<T, S, BITS>
 
-T in {float, f16, bf16}; HD in HEAD_DIMS; BS a power of two up to MAX_BLOCK_SIZE; GT (query
+T in {float, f16, bf16}; KV (a quantized pool's code type) in {e4m3, e5m2, i8}; HD in HEAD_DIMS;
+BS a power of two up to MAX_BLOCK_SIZE; GT (query
 heads per CTA of the decode kernel) = next power of two >= num_heads / num_kv_heads, capped
 at 8. fp32 prefill runs on the decode kernel (it is correct for any varlen batch).
 Quantized checkpoints add one quant-linear program per (T, scale dtype S, bits) their layers
@@ -28,9 +33,11 @@ from functools import cache
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent
-HEADER_FILES = ("common.cuh", "mma.cuh")
+HEADER_FILES = ("common.cuh", "mma.cuh", "kv_quant.cuh")
 
 CXX_TYPES = {"float32": "float", "float16": "pkv::f16", "bfloat16": "pkv::bf16"}
+# Quantized KV pools' code types (`--kv-cache-dtype`, issue 31; kernels/kv_quant.cuh).
+KV_CODE_TYPES = {"fp8_e4m3": "pkv::e4m3", "fp8_e5m2": "pkv::e5m2", "int8": "pkv::i8"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_BLOCK_SIZE = 256
@@ -76,10 +83,16 @@ class AttentionGeometry:
     block_size: int
     num_heads: int
     num_kv_heads: int
+    kv_cache_dtype: str = "auto"  # or a quantized pool's format (KV_CODE_TYPES)
 
     def validate(self) -> None:
         if self.dtype not in CXX_TYPES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {', '.join(CXX_TYPES)}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CODE_TYPES:
+            raise ValueError(
+                f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; "
+                f"expected auto or one of {', '.join(KV_CODE_TYPES)}"
+            )
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"unsupported head_dim {self.head_dim}; the CUDA kernels support {HEAD_DIMS}")
         bs = self.block_size
@@ -139,10 +152,49 @@ def prefill_program(dtype: str, head_dim: int, block_size: int) -> ProgramSpec |
     )
 
 
+def cache_ops_quant_program(dtype: str, kv_cache_dtype: str, head_dim: int) -> ProgramSpec:
+    """The quantizing KV write (and the block copy, which copies bytes of any pool)."""
+    t, kv = CXX_TYPES[dtype], KV_CODE_TYPES[kv_cache_dtype]
+    return ProgramSpec(
+        "cache_ops.cu", (f"pkv::write_kv_quant_kernel<{t}, {kv}, {head_dim}>", "pkv::copy_blocks_kernel")
+    )
+
+
+def decode_quant_program(
+    dtype: str, kv_cache_dtype: str, head_dim: int, block_size: int, tile: int
+) -> ProgramSpec:
+    t, kv = CXX_TYPES[dtype], KV_CODE_TYPES[kv_cache_dtype]
+    return ProgramSpec(
+        "paged_attention.cu",
+        (
+            f"pkv::paged_attention_quant_kernel<{t}, {kv}, {head_dim}, {block_size}, {tile}>",
+            f"pkv::paged_attention_reduce_kernel<{t}, {head_dim}>",
+        ),
+    )
+
+
+def prefill_quant_program(
+    dtype: str, kv_cache_dtype: str, head_dim: int, block_size: int
+) -> ProgramSpec | None:
+    if dtype == "float32":
+        return None
+    t, kv = CXX_TYPES[dtype], KV_CODE_TYPES[kv_cache_dtype]
+    return ProgramSpec(
+        "prefill_attention.cu", (f"pkv::prefill_attention_quant_kernel<{t}, {kv}, {head_dim}, {block_size}>",)
+    )
+
+
 def programs_for(geometry: AttentionGeometry) -> list[ProgramSpec]:
     """Every program a model with this geometry launches."""
     geometry.validate()
     g = geometry
+    if g.kv_cache_dtype != "auto":
+        specs = [
+            cache_ops_quant_program(g.dtype, g.kv_cache_dtype, g.head_dim),
+            decode_quant_program(g.dtype, g.kv_cache_dtype, g.head_dim, g.block_size, g.group_tile),
+        ]
+        prefill = prefill_quant_program(g.dtype, g.kv_cache_dtype, g.head_dim, g.block_size)
+        return specs if prefill is None else [*specs, prefill]
     specs = [cache_ops_program(g.dtype), decode_program(g.dtype, g.head_dim, g.block_size, g.group_tile)]
     prefill = prefill_program(g.dtype, g.head_dim, g.block_size)
     return specs if prefill is None else [*specs, prefill]

@@ -15,7 +15,7 @@ live sequence, reserved whole when the sequence is registered:
 Quantized (`--kv-cache-dtype fp8_e4m3|fp8_e5m2|int8`, paged only): the pools hold uint8 codes
 and each layer has two more pools of scale bytes, block id first so block copies carry them:
 
-    k_exps[layer]    [num_blocks, block_size, num_kv_heads]   one E8M0 byte per (slot, kv head)
+    k_exps[layer]    [num_blocks, block_size, num_kv_heads]   one scale byte per (slot, kv head)
 
 (worker/kv_quant.py says why and holds the torch oracle; the C kernels read codes and bytes.)
 
@@ -42,7 +42,7 @@ from worker.backends.base import AttentionBackend
 from worker.backends.cpu import CpuAttentionBackend, attention_over_context
 from worker.batch import AttentionMetadata, blocks_needed
 from worker.errors import WorkerConfigError
-from worker.kv_quant import KVFormat, dequantize, quantize
+from worker.kv_quant import KVFormat, KvQuantPools, dequantize, quantize
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +121,7 @@ class PagedKVCache:
         pool_dtype = spec.dtype if spec.kv_format is None else torch.uint8
         self.k_caches = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(spec.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(spec.num_layers)]
-        # Quantized only: scale bytes, 1 (the smallest scale) until a token is stored.
+        # Quantized only: scale bytes (worker/kv_quant.py), 1 until a token is stored (never read before).
         exps = 0 if spec.kv_format is None else spec.num_layers
         self.k_exps = [torch.ones(shape[:-1], dtype=torch.uint8, device=device) for _ in range(exps)]
         self.v_exps = [torch.ones(shape[:-1], dtype=torch.uint8, device=device) for _ in range(exps)]
@@ -143,7 +143,26 @@ class PagedKVCache:
     def reset(self) -> None:
         """Nothing is owned per sequence."""
 
+    def _kernel_quant(self, layer: int) -> KvQuantPools | None:
+        """A quantized layer's pools for a backend whose kernels serve them (CUDA); None for
+        the model's dtype or the CPU reference backend (which reads the torch oracle)."""
+        if self.kv_format is None or not getattr(self.backend, "serves_quantized_kv", False):
+            return None
+        return KvQuantPools(
+            self.kv_format.name,
+            self.k_exps[layer],
+            self.v_exps[layer],
+            self.k_scales[layer],
+            self.v_scales[layer],
+        )
+
     def write(self, layer: int, key: Tensor, value: Tensor, meta: AttentionMetadata) -> None:
+        quant = self._kernel_quant(layer)
+        if quant is not None:
+            self.backend.write_kv_quantized(
+                self.k_caches[layer], self.v_caches[layer], key, value, meta.slot_mapping, quant
+            )
+            return
         if self.kv_format is not None:
             self._write_quantized(layer, key, value, meta.slot_mapping)
             return
@@ -178,10 +197,13 @@ class PagedKVCache:
         """window > 0: a sliding-window layer (only the CPU reference backend takes one: the
         worker refuses windowed models on CUDA at start)."""
         extra: dict = {"window": window} if window else {}
-        if self.kv_format is not None:  # only the CPU reference backend serves quantized pools
+        quant = self._kernel_quant(layer)
+        if self.kv_format is not None and quant is None:  # the CPU reference: the oracle decodes
             extra["kv_decode"] = partial(self._decode, layer)
         else:
             extra.update(num_decode_seqs=meta.num_decode_seqs, host_seq_lens=meta.host_seq_lens)
+            if quant is not None:
+                extra["kv_quant"] = quant
         return self.backend.paged_attention(
             query,
             self.k_caches[layer],

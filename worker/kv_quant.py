@@ -6,19 +6,24 @@ the unquantized pool, plus one scale byte per (slot, kv head) in a pool of its o
 copies and preemption (which are all block copies or block reuse) carry the scales with their
 block and nothing else has to know they exist.
 
-    value = code * 2^(byte - 127) * tensor_scale
+    byte = e << 3 | m:  scale = 2^(e - 20) * (1 + m / 8)        value = code * scale * tensor_scale
 
-The byte is an E8M0 power of two (as OCP MX formats store shared scales). Dynamic (default):
-per (token, kv head), the smallest power of two that maps the head's amax into the code range,
-computed when the token is stored; tensor_scale = 1. From the checkpoint (fp8_e4m3 only: what
-compressed-tensors and ModelOpt calibrate k_scale / v_scale for): every byte is 127 and
-tensor_scale is the layer's k_scale or v_scale. Why per token and head: a token's scale never
-changes after it is written (a per-block scale would have to grow, and requantize the block, as
-later tokens arrive), outlier heads do not cost the others precision, and one byte per head_dim
-codes keeps the pool at 2x the blocks of bf16 (1.97x at head_dim 64, measured in PERF.md).
+The byte is an unsigned float of 5 exponent and 3 mantissa bits (scales 2^-20 .. 3840).
+Dynamic (default): per (token, kv head), amax / qmax rounded up to the byte, computed when the
+token is stored; tensor_scale = 1. From the checkpoint (fp8_e4m3 only: what compressed-tensors
+and ModelOpt calibrate k_scale / v_scale for): every byte means 1.0 (SCALE_ONE) and tensor_scale
+is the layer's k_scale or v_scale. Why per token and head: a token's scale never changes after
+it is written (a per-block scale would have to grow, and requantize the block, as later tokens
+arrive; measured no more accurate either), outlier heads do not cost the others precision, and
+one byte per head_dim codes keeps the pool at 2x the blocks of bf16 (1.97x at head_dim 64).
+Why 3 mantissa bits: measured against a power of two (an E8M0 byte, which leaves int8 6-7 bits)
+and an exact fp32 scale (4 bytes, 1.88x the blocks of bf16: below the 1.95x goal): the byte is
+within 0-1 point of fp32's agreement, the power of two up to a point below the byte
+(bench/kv_scale_study.py; PERF.md "KV cache scale format").
 
 `quantize` / `dequantize` here are bit-identical to kernels/cpu_kv_quant.h's store (same byte,
-same round-to-nearest-even codes): the reference forward and the tests use them.
+same round-to-nearest-even codes) and to the CUDA one (kernels/kv_quant.cuh): the reference
+forward and the tests use them.
 """
 
 from __future__ import annotations
@@ -32,27 +37,50 @@ from torch import Tensor
 from kernels.cpu_build import KV_CODE_DTYPES
 from worker.errors import ModelLoadError, WorkerConfigError
 
-EXP_BIAS = 127
+SCALE_BIAS = 20  # scale byte e << 3 | m means 2^(e - SCALE_BIAS) (1 + m / 8)
+SCALE_ONE = SCALE_BIAS << 3  # the byte of 1.0 (per-tensor checkpoint scales)
+_REBIAS = (127 - SCALE_BIAS) << 3  # byte + _REBIAS = an fp32's top 12 bits (sign 0)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 @dataclass(frozen=True, slots=True)
 class KVFormat:
-    """One quantized code type. `bits` is b with 2^(b-1) <= qmax < 2^b; `code` is the kernels'
-    DT_* value (kernels/cpu_build.py KV_CODE_DTYPES)."""
+    """One quantized code type; `code` is the kernels' DT_* value (kernels/cpu_build.py
+    KV_CODE_DTYPES)."""
 
     name: str
     torch_dtype: torch.dtype  # what the uint8 codes are, viewed
     qmax: float
-    bits: int
     code: int
 
 
 FORMATS = {
-    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0, 9, KV_CODE_DTYPES["fp8_e4m3"]),
-    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0, 16, KV_CODE_DTYPES["fp8_e5m2"]),
-    "int8": KVFormat("int8", torch.int8, 127.0, 7, KV_CODE_DTYPES["int8"]),
+    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0, KV_CODE_DTYPES["fp8_e4m3"]),
+    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0, KV_CODE_DTYPES["fp8_e5m2"]),
+    "int8": KVFormat("int8", torch.int8, 127.0, KV_CODE_DTYPES["int8"]),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class KvQuantPools:
+    """A layer's quantized-pool extras for a backend's kernels (CUDA): the format, the
+    scale-byte pools [blocks, block_size, kv_heads] (uint8) and the per-tensor scales (0.0:
+    computed per token and head)."""
+
+    kv_cache_dtype: str  # "fp8_e4m3" | "fp8_e5m2" | "int8"
+    k_bytes: Tensor
+    v_bytes: Tensor
+    k_tensor_scale: float = 0.0
+    v_tensor_scale: float = 0.0
+
+    def launch_values(self) -> tuple:
+        """The kernels' trailing (k scales, v scales, k tensor scale, v tensor scale)."""
+        return (
+            self.k_bytes.data_ptr(),
+            self.v_bytes.data_ptr(),
+            self.k_tensor_scale or 1.0,
+            self.v_tensor_scale or 1.0,
+        )
 
 
 def kv_format(name: str | None) -> KVFormat | None:
@@ -64,31 +92,31 @@ def kv_format(name: str | None) -> KVFormat | None:
     return FORMATS[name]
 
 
-def _pow2_from_byte(byte: Tensor, negate: bool = False) -> Tensor:
-    """2^(byte - 127) (or 2^(127 - byte)) built from its exponent bits: exact, bytes in 1..253."""
-    biased = (254 - byte.to(torch.int32)) if negate else byte.to(torch.int32)
-    return (biased << 23).view(torch.float32)
+def scale_of(byte: Tensor) -> Tensor:
+    """The fp32 scale of each byte: exact (the byte is an fp32's top bits, re-biased)."""
+    return ((byte.to(torch.int32) + _REBIAS) << 20).view(torch.float32)
 
 
 def scale_bytes(amax: Tensor, fmt: KVFormat) -> Tensor:
-    """The smallest 2^e with amax <= qmax * 2^e, biased by 127 and clamped to [1, 253]."""
-    mantissa, exponent = torch.frexp(amax.float())
-    too_big = (torch.ldexp(mantissa, torch.tensor(float(fmt.bits))) > fmt.qmax).to(torch.int32)
-    byte = (exponent - fmt.bits + too_big + EXP_BIAS).clamp(1, 253)
-    byte = torch.where(amax > 0, byte, torch.ones_like(byte))
-    byte = torch.where(torch.isinf(amax), torch.full_like(byte, 253), byte)
-    return byte.to(torch.uint8)
+    """The smallest byte whose scale is >= amax / qmax (the fp32 quotient, rounded up to 3
+    mantissa bits), clamped to 0..255; 0 where amax is 0 or NaN."""
+    amax = amax.float()
+    quotient = amax / torch.full_like(amax, fmt.qmax)  # elementwise IEEE division, as the kernels
+    bits = (quotient.view(torch.int32) + 0xFFFFF) & ~0xFFFFF
+    byte = ((bits >> 20) - _REBIAS).clamp(0, 255)
+    return torch.where(amax > 0, byte, torch.zeros_like(byte)).to(torch.uint8)
 
 
 def quantize(x: Tensor, fmt: KVFormat, tensor_scale: float = 0.0) -> tuple[Tensor, Tensor]:
     """x [..., head_dim] -> (uint8 codes [..., head_dim], scale bytes [...]). tensor_scale 0:
-    a computed byte per row; else the checkpoint's per-tensor scale and bytes of 127."""
+    a computed byte per row, x / its scale; else the checkpoint's per-tensor scale, x times its
+    inverse, and bytes of SCALE_ONE."""
     x = x.float()
     if tensor_scale == 0.0:
         byte = scale_bytes(x.abs().amax(-1), fmt)
-        y = x * _pow2_from_byte(byte, negate=True)[..., None]
+        y = x / scale_of(byte)[..., None].expand_as(x).contiguous()
     else:
-        byte = torch.full(x.shape[:-1], EXP_BIAS, dtype=torch.uint8)
+        byte = torch.full(x.shape[:-1], SCALE_ONE, dtype=torch.uint8)
         inverse = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(tensor_scale, dtype=torch.float32)
         y = x * inverse
     y = y.clamp(-fmt.qmax, fmt.qmax)
@@ -98,7 +126,7 @@ def quantize(x: Tensor, fmt: KVFormat, tensor_scale: float = 0.0) -> tuple[Tenso
 
 def dequantize(codes: Tensor, byte: Tensor, fmt: KVFormat, tensor_scale: float = 0.0) -> Tensor:
     """The fp32 values of codes [..., head_dim] with their scale bytes [...]."""
-    values = codes.view(fmt.torch_dtype).float() * _pow2_from_byte(byte)[..., None]
+    values = codes.view(fmt.torch_dtype).float() * scale_of(byte)[..., None]
     return values * tensor_scale if tensor_scale != 0.0 else values
 
 
@@ -151,17 +179,17 @@ def resolve_kv_quant(
 ) -> tuple[KVFormat | None, tuple[list[float], list[float]] | None]:
     """The worker's quantized-KV setup: (format, per-layer checkpoint scales or None). Refuses
     at start, with the reason, what this worker cannot serve: a quantized cache on a backend
-    whose kernels read the model's dtype only (CUDA, until its kernels decode codes), or a
+    with no kernels for one (anything but CPU and CUDA), or a
     checkpoint's scale tensors of the wrong shape (by name, for any quantized format). The
     checkpoint's scales are used for fp8_e4m3, the format they are calibrated for; int8 and
     fp8_e5m2 compute their scales per token and head."""
     fmt = kv_format(name)
     if fmt is None:
         return None, None
-    if device.type != "cpu":
+    if device.type not in ("cpu", "cuda"):
         raise WorkerConfigError(
-            f"--kv-cache-dtype {name}: the {device.type} backend's attention kernels read KV in the model's "
-            "dtype only; quantized KV caches run on the CPU worker (use --kv-cache-dtype auto here)"
+            f"--kv-cache-dtype {name}: the {device.type} backend has no kernels for a quantized KV cache; "
+            "they exist for the CPU and CUDA workers (use --kv-cache-dtype auto here)"
         )
     scales = load_checkpoint_scales(model_dir, num_layers)
     return fmt, scales if fmt.name == "fp8_e4m3" else None
@@ -173,4 +201,4 @@ def describe_scales(fmt: KVFormat | None, scales: tuple[list[float], list[float]
         return ""
     if scales is not None:
         return "per tensor (checkpoint k_scale/v_scale)"
-    return "per token and kv head (E8M0, computed)"
+    return "per token and kv head (e5m3 byte, computed)"

@@ -256,6 +256,7 @@ class Worker:
             block_size=self.config.block_size,
             num_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads,
+            kv_cache_dtype=self.config.kv_cache_dtype,  # quantized pools: their kernels (issue 31)
         )
         try:
             self.backend.prepare(geometry)

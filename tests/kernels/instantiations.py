@@ -29,6 +29,19 @@ MODEL_GEOMETRIES = (
 )
 
 
+# Quantized KV pools (issue 31): each code type with the model geometries above, and int8 at
+# the head-dim extremes (the write kernel's lanes, the decode kernel's registers).
+QUANT_GEOMETRIES = tuple(
+    AttentionGeometry(g.dtype, g.head_dim, g.block_size, g.num_heads, g.num_kv_heads, kv)
+    for kv in ("fp8_e4m3", "fp8_e5m2", "int8")
+    for g in (
+        AttentionGeometry("float32", 64, 16, 8, 2),
+        AttentionGeometry("bfloat16", 64, 16, 14, 2),
+        AttentionGeometry("float16", 128, 16, 32, 4),
+    )
+) + (AttentionGeometry("float16", 256, 16, 8, 8, "int8"), AttentionGeometry("float32", 16, 4, 4, 1, "int8"))
+
+
 def sweep_geometries() -> list[AttentionGeometry]:
     geometries = []
     for dtype in DTYPES:
@@ -44,7 +57,7 @@ def sweep_geometries() -> list[AttentionGeometry]:
 def all_programs() -> list[ProgramSpec]:
     """Deduplicated programs over every geometry, in a stable order."""
     seen: dict[ProgramSpec, None] = {}
-    for geometry in (*MODEL_GEOMETRIES, *sweep_geometries()):
+    for geometry in (*MODEL_GEOMETRIES, *sweep_geometries(), *QUANT_GEOMETRIES):
         for spec in programs_for(geometry):
             seen.setdefault(spec, None)
     return list(seen)

@@ -21,12 +21,13 @@ SMEM_OPTIN_LIMIT = {"sm_87": 163 * 1024, "sm_90": 227 * 1024}
 def dynamic_smem_needed(expression: str) -> int:
     """The most dynamic shared memory a launch of this kernel asks for by default:
     the prefill tile buffers, or a split-K decode partition's block ids."""
-    if expression.startswith("pkv::prefill_attention_kernel<"):
+    quantized = "_quant_kernel<" in expression  # one more template argument: the code type
+    if expression.startswith(("pkv::prefill_attention_kernel<", "pkv::prefill_attention_quant_kernel<")):
         dtype = "float16"  # fp16 and bf16 tiles have the same size
-        head_dim = int(expression.split(",")[1])
+        head_dim = int(expression.split(",")[1 + quantized])
         return prefill_smem_bytes(dtype, head_dim)
-    if expression.startswith("pkv::paged_attention_kernel<"):
-        block_size = int(expression.split(",")[2])
+    if expression.startswith(("pkv::paged_attention_kernel<", "pkv::paged_attention_quant_kernel<")):
+        block_size = int(expression.split(",")[2 + quantized])
         return decode_smem_bytes(MAX_PARTITION_TOKENS, block_size)
     return 0
 
@@ -60,7 +61,7 @@ def test_no_spills_and_within_arch_limits(compiled_programs, request, tmp_path_f
                 problems.append(f"{arch} {expression}: {usage.registers} registers")
             if usage.static_smem + dynamic > SMEM_OPTIN_LIMIT[arch]:
                 problems.append(f"{arch} {expression}: {usage.static_smem + dynamic} bytes of shared memory")
-            if expression.startswith("pkv::paged_attention_kernel<"):
+            if expression.startswith(("pkv::paged_attention_kernel<", "pkv::paged_attention_quant_kernel<")):
                 # A split-K decode launch must work without raising the function's limit.
                 if usage.static_smem + dynamic > DEFAULT_DYNAMIC_SMEM_LIMIT:
                     problems.append(f"{arch} {expression}: split launch exceeds 48 KB of shared memory")

@@ -1,6 +1,6 @@
 """Quantized K/V pools in the fast CPU kernels (kernels/cpu_kv_quant.h) against the torch oracle
 (worker/kv_quant.py), in every ISA variant this CPU runs: the store writes the oracle's codes
-and scale bytes exactly (round to nearest even, E8M0 scale from frexp), and attention over
+and scale bytes exactly (round to nearest even; the e5m3 scale byte), and attention over
 fp8 / int8 pools equals the reference attention over the dequantized context."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kernels import cpu_build
 from tests.cpu_kernels import variant_ops
 from tests.kernels.test_cpu_ops import random_paged_batch
 from worker.backends.cpu import CpuAttentionBackend
-from worker.kv_quant import FORMATS, dequantize, quantize
+from worker.kv_quant import FORMATS, SCALE_ONE, dequantize, quantize, scale_bytes, scale_of
 
 THREADS = 2
 FORMAT_NAMES = list(FORMATS)
@@ -33,10 +33,10 @@ def ops(request, all_ops):
 
 
 def wide_range_values(shape, seed: int) -> torch.Tensor:
-    """Values from 1e-7 to 1e5 in magnitude, both signs, some heads all zero: every code range,
-    subnormal codes and saturation included."""
+    """Values from 1e-8 to 1e7 in magnitude, both signs, some heads all zero: every code range,
+    subnormal codes, the smallest and largest scale bytes and saturation included."""
     gen = torch.Generator().manual_seed(seed)
-    magnitude = torch.pow(10.0, torch.empty(shape[:-1]).uniform_(-7, 5, generator=gen))[..., None]
+    magnitude = torch.pow(10.0, torch.empty(shape[:-1]).uniform_(-8, 7, generator=gen))[..., None]
     values = torch.randn(shape, generator=gen) * magnitude
     values.view(-1, shape[-1])[::7] = 0.0
     return values
@@ -137,7 +137,7 @@ def test_attention_applies_the_checkpoints_tensor_scales(ops):
     (k_codes, k_bytes), (v_codes, v_bytes) = (
         quantize(pool, fmt, s) for pool, s in ((k_cache, k_scale), (v_cache, v_scale))
     )
-    assert (k_bytes == 127).all()
+    assert (k_bytes == SCALE_ONE).all() and (scale_of(k_bytes) == 1.0).all()
     out = torch.empty_like(query)
     status = ops.paged_attention(
         out.data_ptr(), query.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(), fmt.code,
@@ -150,3 +150,26 @@ def test_attention_applies_the_checkpoints_tensor_scales(ops):
         tables, seq_lens, qsl, dim**-0.5, 6, 30,
     )  # fmt: skip
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_the_scale_byte_is_the_smallest_that_fits_the_amax(name):
+    """Every byte's scale is exact (1 + m/8) 2^(e - 20); the byte of an amax is the smallest
+    whose scale times qmax reaches the fp32 quotient amax / qmax, clamped to the byte's range."""
+    fmt = FORMATS[name]
+    byte = torch.arange(256, dtype=torch.uint8)
+    e, m = (byte.int() >> 3).double(), (byte.int() & 7).double()
+    assert torch.equal(scale_of(byte).double(), (1 + m / 8) * torch.pow(2.0, e - 20))
+    gen = torch.Generator().manual_seed(5)
+    amax = torch.pow(10.0, torch.empty(20000).uniform_(-9, 8, generator=gen))
+    amax = torch.cat([amax, scale_of(byte) * fmt.qmax])  # exactly on a scale: that byte itself
+    got = scale_bytes(amax, fmt)
+    quotient = amax / fmt.qmax
+    inside = (quotient > scale_of(torch.tensor([0], dtype=torch.uint8))) & (quotient <= scale_of(byte[-1:]))
+    assert (scale_of(got[inside]) >= quotient[inside]).all()
+    below = got[inside].int() - 1
+    assert (scale_of(below[below >= 0].to(torch.uint8)) < quotient[inside][below >= 0]).all()
+    assert (got[quotient <= scale_of(byte[:1])] == 0).all() and (
+        got[quotient > scale_of(byte[-1:])] == 255
+    ).all()
+    assert torch.equal(scale_bytes(scale_of(byte) * fmt.qmax, fmt), byte)

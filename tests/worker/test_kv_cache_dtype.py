@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from tests.worker.test_half_precision import teacher_forced
 from tests.worker.worker_test_utils import VOCAB, PlanDriver, make_worker
 from worker.errors import ModelLoadError, WorkerConfigError
-from worker.kv_quant import resolve_kv_quant
+from worker.kv_quant import SCALE_ONE, resolve_kv_quant
 
 MODELS = ["llama-gqa-derived-head-dim", "qwen2-mqa-bias", "qwen3-head-dim-tied"]
 KV_MEMORY = 1 << 20
@@ -39,7 +39,7 @@ def test_a_quantized_cache_holds_about_twice_the_blocks_of_bf16(checkpoint, kv_c
     head_dim = info.head_dim
     print(f"\n{kv_cache_dtype}: {info.num_blocks} blocks vs bf16 {bf16}, fp32 {fp32} (head_dim {head_dim})")
     assert info.kv_cache_dtype == kv_cache_dtype and info.dtype == "bfloat16"
-    assert info.kv_cache_scales == "per token and kv head (E8M0, computed)"
+    assert info.kv_cache_scales == "per token and kv head (e5m3 byte, computed)"
     assert info.bytes_per_block == 2 * info.num_layers * info.num_kv_heads * (head_dim + 1) * 16
     assert info.num_blocks / bf16 >= 2 * head_dim / (head_dim + 1) - 0.01
     assert info.num_blocks / fp32 >= 4 * head_dim / (head_dim + 1) - 0.02
@@ -47,39 +47,54 @@ def test_a_quantized_cache_holds_about_twice_the_blocks_of_bf16(checkpoint, kv_c
     assert plain.kv_cache_dtype == "bfloat16" and plain.kv_cache_scales == ""
 
 
-def agreement(path, plain: torch.Tensor, kv_cache_dtype: str, streams) -> tuple[float, float]:
-    """(top-1 agreement, max |logit error| / max |logit|) of the quantized cache against the
-    unquantized one's logits `plain` on the same (fast) forward, teacher-forced."""
+MARGIN = 0.5  # an unquantized top-2 logit gap this wide is a decision, not a near-tie
+
+
+def agreement(path, plain: torch.Tensor, kv_cache_dtype: str, streams) -> dict:
+    """Top-1 agreement of the quantized cache with the unquantized one's logits `plain` on the
+    same (fast) forward, teacher-forced: at every position, and at the positions whose
+    unquantized top-2 margin is >= MARGIN; and max |logit error| / max |logit|."""
     quant = teacher_forced(make_worker(path, 4, cpu_kernels="fast", kv_cache_dtype=kv_cache_dtype), streams)
-    top1 = (plain.argmax(-1) == quant.argmax(-1)).float().mean().item()
-    error = ((plain - quant).abs().max() / plain.abs().max()).item()
-    return top1, error
+    top2 = plain.topk(2, -1).values
+    clear = top2[:, 0] - top2[:, 1] >= MARGIN
+    agree = plain.argmax(-1) == quant.argmax(-1)
+    return {
+        "top1": agree.float().mean().item(),
+        "top1_clear": agree[clear].float().mean().item(),
+        "error": ((plain - quant).abs().max() / plain.abs().max()).item(),
+    }
 
 
-# Measured floors (3 models x 3 streams x 100 positions, block size 4), not the issue's 99 %
-# goal, which these models do not reach: random tiny models (weights of std 0.2, random token
-# streams) are chaotic, a 3 % error in one K element moves logits by up to ~20 % of their range
-# (the fast and reference forwards agree to 1e-6 on the same quantized cache, so this is the
-# cache's precision, not a kernel fault). Measured 2026-11-25: int8 95.3-98.0 % (max logit
-# error 2.8-7.8 %), fp8_e4m3 84.3-90.0 % (9.8-20.4 %), fp8_e5m2 70.7-83.7 % (22-42 %).
-AGREEMENT_FLOORS = {"int8": 0.94, "fp8_e4m3": 0.82, "fp8_e5m2": 0.68}
+# Measured floors (3 models x 3 streams x 100 positions, block size 4). The issue's 99 % at
+# every position is below these random models' noise floor: at 1,024 tokens (fake-quant study,
+# bench/kv_scale_study.py, PERF.md) a bf16 cache of the fp32 model itself agrees 98.8-99.7 %
+# with fp32 on them (98.5 % on the 0.5B-shaped model), because random weights put many
+# positions at near-ties (median top-2 margin at the disagreements 0.01-0.1 logits). Where the
+# unquantized decision is clear (margin >= 0.5) int8 and fp8_e4m3 agree >= 99 % (measured 100 %,
+# fp8_e5m2 94.2-100 %). Measured
+# 2026-11-25 with the e5m3 scale byte: all positions int8 95.7-97.3 %, fp8_e4m3 85.0-92.3 %,
+# fp8_e5m2 75.3-85.3 %.
+AGREEMENT_FLOORS = {"int8": 0.95, "fp8_e4m3": 0.84, "fp8_e5m2": 0.74}
+CLEAR_FLOORS = {"int8": 0.99, "fp8_e4m3": 0.99, "fp8_e5m2": 0.93}
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_teacher_forced_agreement_with_the_unquantized_cache(checkpoint, name):
-    """Top-1 agreement with the unquantized cache's logits and the max logit error, per dtype,
-    printed and held to the measured floors; int8 (7-8 bits per value) is closer than fp8_e4m3
-    (3 mantissa bits), which is closer than fp8_e5m2 (2)."""
+    """Top-1 agreement with the unquantized cache's logits (all positions, clear positions) and
+    the max logit error, per dtype, printed and held to the measured floors; int8 (~7 bits per
+    value) is closer than fp8_e4m3 (3 mantissa bits), which is closer than fp8_e5m2 (2)."""
     _, path = checkpoint(name)
     rng = random.Random(31)
     streams = [[rng.randrange(VOCAB) for _ in range(101)] for _ in range(3)]
     plain = teacher_forced(make_worker(path, 4, cpu_kernels="fast"), streams)
     errors = {}
     for kv_cache_dtype, floor in AGREEMENT_FLOORS.items():
-        top1, error = agreement(path, plain, kv_cache_dtype, streams)
-        errors[kv_cache_dtype] = error
-        print(f"\n{name} {kv_cache_dtype}: top-1 agreement {top1:.2%}, max logit error {error:.2%}")
-        assert top1 >= floor, (kv_cache_dtype, top1)
+        r = agreement(path, plain, kv_cache_dtype, streams)
+        errors[kv_cache_dtype] = r["error"]
+        print(f"\n{name} {kv_cache_dtype}: top-1 agreement {r['top1']:.2%} (clear positions "
+              f"{r['top1_clear']:.2%}), max logit error {r['error']:.2%}")  # fmt: skip
+        assert r["top1"] >= floor, (kv_cache_dtype, r)
+        assert r["top1_clear"] >= CLEAR_FLOORS[kv_cache_dtype], (kv_cache_dtype, r)
     assert errors["int8"] < errors["fp8_e4m3"] < errors["fp8_e5m2"]
 
 
@@ -157,9 +172,9 @@ def test_checkpoint_scales_are_used_for_fp8_e4m3(checkpoint, tmp_path, name_form
     driver = PlanDriver(worker)
     driver.add(1, list(range(3, 20)))
     driver.step({1: None})
-    assert (worker.kv_cache.k_exps[0][1:5] == 127).all()  # per-tensor: no per-token scale
+    assert (worker.kv_cache.k_exps[0][1:5] == SCALE_ONE).all()  # per-tensor: no per-token scale
     int8 = make_worker(path, 4, kv_cache_dtype="int8")  # calibrated for fp8: int8 computes its own
-    assert int8.describe().kv_cache_scales == "per token and kv head (E8M0, computed)"
+    assert int8.describe().kv_cache_scales == "per token and kv head (e5m3 byte, computed)"
 
 
 def test_scale_tensors_of_the_wrong_shape_are_refused_by_name(checkpoint, tmp_path):
@@ -172,10 +187,10 @@ def test_scale_tensors_of_the_wrong_shape_are_refused_by_name(checkpoint, tmp_pa
 
 def test_what_cannot_be_served_is_refused_at_start(checkpoint):
     _, path = checkpoint("llama-gqa-derived-head-dim")
-    with pytest.raises(
-        WorkerConfigError, match="cuda backend's attention kernels read KV in the model's dtype"
-    ):
-        resolve_kv_quant("fp8_e4m3", torch.device("cuda"), path, 2)
+    fmt, scales = resolve_kv_quant("fp8_e4m3", torch.device("cuda"), path, 2)  # CUDA kernels exist
+    assert fmt.name == "fp8_e4m3" and scales is None
+    with pytest.raises(WorkerConfigError, match="mps backend has no kernels for a quantized KV cache"):
+        resolve_kv_quant("int8", torch.device("mps"), path, 2)
     with pytest.raises(WorkerConfigError, match="contiguous layout"):
         make_worker(
             path, 4, kv_layout="contiguous", num_blocks=None, kv_cache_memory=KV_MEMORY, kv_cache_dtype="int8"

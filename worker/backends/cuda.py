@@ -11,6 +11,11 @@ tokens, causal rule and GQA mapping as documented there). Torch does everything 
                      A mixed step launches both, each over its own sequences.
     copy_blocks      copy_blocks_kernel: all layers' K and V pools in one launch
 
+Quantized pools (`--kv-cache-dtype`, issue 31; worker/kv_quant.py says what they hold):
+`write_kv_quantized` launches write_kv_quant_kernel (codes + scale bytes), and
+`paged_attention(kv_quant=...)` the *_quant_kernel instantiations, which take the unquantized
+arguments, then the scale-byte pools and the per-tensor scales (kernels/kv_quant.cuh).
+
 Kernels are compiled on first use for the device's arch (through the on-disk cubin cache)
 and loaded into torch's primary context (kernels.driver). `prepare` does it eagerly so a bad
 geometry or driver fails at worker start, not on the first request.
@@ -34,9 +39,12 @@ from kernels.cubin_cache import CubinCache
 from kernels.driver import DriverDevice, LoadedKernel
 from kernels.launch import (
     COPY_BLOCKS_SIGNATURE,
+    DECODE_QUANT_SIGNATURE,
     DECODE_SIGNATURE,
+    PREFILL_QUANT_SIGNATURE,
     PREFILL_SIGNATURE,
     REDUCE_SIGNATURE,
+    WRITE_KV_QUANT_SIGNATURE,
     WRITE_KV_SIGNATURE,
     AttentionSplit,
     KernelArgs,
@@ -51,11 +59,15 @@ from kernels.specs import (
     AttentionGeometry,
     ProgramSpec,
     cache_ops_program,
+    cache_ops_quant_program,
     decode_program,
+    decode_quant_program,
     prefill_program,
+    prefill_quant_program,
     prefill_smem_bytes,
     programs_for,
 )
+from worker.kv_quant import KvQuantPools
 
 LOG2E = math.log2(math.e)
 _ALIGN = 16  # bytes: every vector load/store in the kernels is 16 bytes wide
@@ -82,6 +94,7 @@ class CudaAttentionBackend:
     """AttentionBackend on one CUDA device. Not thread-safe (the worker runs one plan at a time)."""
 
     name = "cuda"
+    serves_quantized_kv = True  # kv_cache.PagedKVCache routes quantized pools here
 
     def __init__(
         self, device: torch.device | str, cache: CubinCache | None = None, poison_workspace: bool = False
@@ -153,6 +166,44 @@ class CudaAttentionBackend:
         )
         kernel.launch(write_kv_launch(num_tokens), args, self._stream())
 
+    def write_kv_quantized(
+        self,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        key: Tensor,
+        value: Tensor,
+        slot_mapping: Tensor,
+        quant: KvQuantPools,
+    ) -> None:
+        """Quantize this step's K/V (model dtype) into code pools and their scale bytes."""
+        num_tokens = key.shape[0]
+        if num_tokens == 0:
+            return
+        check_kv_pools(k_cache, v_cache)
+        _, _, num_kv_heads, head_dim = k_cache.shape
+        key, value = aligned_rows(key), aligned_rows(value.to(key.dtype))
+        slots = slot_mapping.to(device=self.device, dtype=torch.int64).contiguous()
+        spec = cache_ops_quant_program(dtype_name(key.dtype), quant.kv_cache_dtype, head_dim)
+        kernel = self._kernels(spec)[spec.name_expressions[0]]
+        args = KernelArgs(
+            WRITE_KV_QUANT_SIGNATURE,
+            (
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                quant.k_bytes.data_ptr(),
+                quant.v_bytes.data_ptr(),
+                key.data_ptr(),
+                value.data_ptr(),
+                slots.data_ptr(),
+                key.stride(0),
+                value.stride(0),
+                num_kv_heads,
+                quant.k_tensor_scale,
+                quant.v_tensor_scale,
+            ),
+        )
+        kernel.launch(write_kv_launch(num_tokens), args, self._stream())
+
     def paged_attention(
         self,
         query: Tensor,
@@ -166,8 +217,10 @@ class CudaAttentionBackend:
         max_seq_len: int,
         num_decode_seqs: int = 0,
         host_seq_lens: Sequence[int] | None = None,
+        kv_quant: KvQuantPools | None = None,
     ) -> Tensor:
-        out = torch.empty(query.shape, dtype=k_cache.dtype, device=query.device)
+        dtype = k_cache.dtype if kv_quant is None else query.dtype
+        out = torch.empty(query.shape, dtype=dtype, device=query.device)
         self.paged_attention_into(
             out,
             query,
@@ -181,6 +234,7 @@ class CudaAttentionBackend:
             max_seq_len,
             num_decode_seqs,
             host_seq_lens,
+            kv_quant,
         )
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
@@ -198,21 +252,25 @@ class CudaAttentionBackend:
         max_seq_len: int,
         num_decode_seqs: int = 0,
         host_seq_lens: Sequence[int] | None = None,
+        kv_quant: KvQuantPools | None = None,
     ) -> None:
         """`paged_attention` into a caller-owned contiguous `out` (tests poison it with NaN to
-        prove every element is written)."""
+        prove every element is written). Quantized pools (`kv_quant`): out and the kernels'
+        arithmetic are in the query's dtype (the model's)."""
         if query.shape[0] == 0:
             return
         check_kv_pools(k_cache, v_cache)
         _, block_size, num_kv_heads, head_dim = k_cache.shape
+        dtype = k_cache.dtype if kv_quant is None else query.dtype
         geometry = AttentionGeometry(
-            dtype_name(k_cache.dtype), head_dim, block_size, query.shape[1], num_kv_heads
-        )
+            dtype_name(dtype), head_dim, block_size, query.shape[1], num_kv_heads,
+            "auto" if kv_quant is None else kv_quant.kv_cache_dtype,
+        )  # fmt: skip
         geometry.validate()
         if (
             not out.is_contiguous()
             or out.shape != query.shape
-            or out.dtype != k_cache.dtype
+            or out.dtype != dtype
             or out.data_ptr() % _ALIGN
         ):
             raise ValueError(
@@ -221,8 +279,8 @@ class CudaAttentionBackend:
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         qsl = query_start_loc.to(torch.int32).contiguous()
-        query = aligned_rows(query.to(k_cache.dtype))
-        pools = (k_cache, v_cache, tables, lens, qsl)
+        query = aligned_rows(query.to(dtype))
+        pools = (k_cache, v_cache, tables, lens, qsl, kv_quant)
         split = split_attention(
             query.shape[0], lens.shape[0], max_query_len, num_decode_seqs, geometry.dtype != "float32"
         )
@@ -232,32 +290,47 @@ class CudaAttentionBackend:
             self._prefill(out, query, pools, scale, max_query_len, geometry, split.prefill_first_seq)
 
     def copy_blocks(self, k_caches: list[Tensor], v_caches: list[Tensor], block_pairs: Tensor) -> None:
-        """One launch over every (pair, pool). Requires, as the control plane guarantees,
-        that no block is both a source and a destination and destinations are distinct."""
+        """One launch per group of same-shaped pools (the model's pools, or a quantized cache's
+        codes and its scale bytes) over every (pair, pool); a group whose blocks are not whole
+        16-byte vectors (scale bytes of small blocks) copies with torch. Requires, as the
+        control plane guarantees, that no block is both a source and a destination and
+        destinations are distinct."""
         if block_pairs.numel() == 0:
             return
-        caches = [*k_caches, *v_caches]
-        first = caches[0]
-        if any(c.shape != first.shape or c.dtype != first.dtype or not c.is_contiguous() for c in caches):
-            raise ValueError("copy_blocks needs contiguous pools of one shape and dtype")
+        groups: dict[tuple, list[Tensor]] = {}
+        for c in [*k_caches, *v_caches]:
+            if not c.is_contiguous():
+                raise ValueError("copy_blocks needs contiguous pools")
+            groups.setdefault((tuple(c.shape), c.dtype), []).append(c)
         pairs = block_pairs.to(device=self.device, dtype=torch.int64).contiguous()
-        spec = cache_ops_program(dtype_name(first.dtype))
-        kernel = self._kernels(spec)[spec.name_expressions[1]]
-        block_bytes = first.stride(0) * first.element_size()
-        args = KernelArgs(
-            COPY_BLOCKS_SIGNATURE, (self._pointer_table(caches).data_ptr(), pairs.data_ptr(), block_bytes)
-        )
-        kernel.launch(copy_blocks_launch(pairs.shape[0], len(caches)), args, self._stream())
+        for caches in groups.values():
+            first = caches[0]
+            block_bytes = first.stride(0) * first.element_size()
+            if block_bytes % _ALIGN:
+                src, dst = pairs[:, 0], pairs[:, 1]
+                for c in caches:
+                    c.index_copy_(0, dst, c.index_select(0, src))
+                continue
+            name = dtype_name(first.dtype)  # the kernel copies bytes: any program's copy will do
+            spec = cache_ops_program(name if name in ("float32", "float16", "bfloat16") else "float32")
+            kernel = self._kernels(spec)[spec.name_expressions[1]]
+            args = KernelArgs(
+                COPY_BLOCKS_SIGNATURE, (self._pointer_table(caches).data_ptr(), pairs.data_ptr(), block_bytes)
+            )
+            kernel.launch(copy_blocks_launch(pairs.shape[0], len(caches)), args, self._stream())
 
     # -- launches --------------------------------------------------------------------------
 
     def _decode(self, out, query, pools, scale, max_seq_len, g, split: AttentionSplit, host_seq_lens) -> None:
         """The split's decode rows through the decode kernel (see AttentionSplit)."""
-        k_cache, v_cache, tables, lens, qsl = pools
+        k_cache, v_cache, tables, lens, qsl, kv_quant = pools
         rows, num_seqs = split.decode_rows, split.decode_seqs
         # The planner wants per-row lengths: the sequences' only when rows are sequences.
         contexts = host_seq_lens[:num_seqs] if host_seq_lens is not None and rows == num_seqs else None
-        spec = decode_program(g.dtype, g.head_dim, g.block_size, g.group_tile)
+        if kv_quant is None:
+            spec = decode_program(g.dtype, g.head_dim, g.block_size, g.group_tile)
+        else:
+            spec = decode_quant_program(g.dtype, g.kv_cache_dtype, g.head_dim, g.block_size, g.group_tile)
         kernels = self._kernels(spec)
         attention = kernels[spec.name_expressions[0]]
         plan = plan_decode(
@@ -277,7 +350,7 @@ class CudaAttentionBackend:
             part_out = allocate(acc_shape, *fill, dtype=torch.float32, device=self.device)
             part_ml = allocate(ml_shape, *fill, dtype=torch.float32, device=self.device)
         args = KernelArgs(
-            DECODE_SIGNATURE,
+            DECODE_SIGNATURE if kv_quant is None else DECODE_QUANT_SIGNATURE,
             (
                 out.data_ptr(),
                 0 if part_out is None else part_out.data_ptr(),
@@ -295,6 +368,7 @@ class CudaAttentionBackend:
                 g.num_kv_heads,
                 scale * LOG2E,
                 plan.partition_tokens,
+                *(() if kv_quant is None else kv_quant.launch_values()),
             ),
         )
         stream = self._stream()
@@ -319,13 +393,16 @@ class CudaAttentionBackend:
         """Sequences [first_seq, S) through the prefill kernel: the per-sequence arrays are
         passed from `first_seq` on (query_start_loc holds absolute row offsets, so `query` and
         `out` stay whole)."""
-        k_cache, v_cache, tables, lens, qsl = pools
-        spec = prefill_program(g.dtype, g.head_dim, g.block_size)
+        k_cache, v_cache, tables, lens, qsl, kv_quant = pools
+        if kv_quant is None:
+            spec = prefill_program(g.dtype, g.head_dim, g.block_size)
+        else:
+            spec = prefill_quant_program(g.dtype, g.kv_cache_dtype, g.head_dim, g.block_size)
         kernel = self._kernels(spec)[spec.name_expressions[0]]
         num_seqs = lens.shape[0] - first_seq
         config = prefill_launch(max_query_len, g.num_heads, num_seqs, prefill_smem_bytes(g.dtype, g.head_dim))
         args = KernelArgs(
-            PREFILL_SIGNATURE,
+            PREFILL_SIGNATURE if kv_quant is None else PREFILL_QUANT_SIGNATURE,
             (
                 out.data_ptr(),
                 query.data_ptr(),
@@ -339,6 +416,7 @@ class CudaAttentionBackend:
                 g.num_heads,
                 g.num_kv_heads,
                 scale * LOG2E,
+                *(() if kv_quant is None else kv_quant.launch_values()),
             ),
         )
         kernel.launch(config, args, self._stream())
