@@ -29,6 +29,7 @@ from kernels.nvrtc import KernelCompileError
 from kernels.specs import AttentionGeometry
 from worker.backends import get_backend
 from worker.batch import build_model_inputs
+from worker.block_table import BlockTable
 from worker.cpu_forward import FastCpuForward, fast_forward_unavailable
 from worker.cuda_graph import DecodeGraphRunner
 from worker.cuda_quant import replace_quantized_linears
@@ -109,11 +110,15 @@ class Worker:
             max_model_len=self.max_model_len,
             contiguous=config.layout == KVLayout.CONTIGUOUS,
         )
+        # Paged: the persistent block table the kernels read by row (worker/block_table.py).
+        self.block_table = None if self.limits.contiguous else BlockTable(
+            self.limits.max_blocks_per_seq, self.device if self.device.type == "cuda" else None
+        )
         self.decode_graphs = self._prepare_cuda()
         self.fast_forward = self._prepare_fast_forward()
         if self.fast_forward is None and self.model.quantized:  # the reference runs dense linears
             self.model.materialize_quantized(self.dtype, self.device)
-        self.mirrors = SequenceMirrors(self.model_config.vocab_size)
+        self.mirrors = SequenceMirrors(self.model_config.vocab_size, self.block_table)
         lse_topk = None if self.fast_forward is None else self.fast_forward.lse_topk
         self.sampler = Sampler(config.seed, self.model_config.eos_token_ids, lse_topk)
         self.instance_id = uuid.uuid4().hex
@@ -178,7 +183,9 @@ class Worker:
     def _forward(self, work) -> tuple[Tensor, list]:
         """Logits of the sampling rows, and the prompt logprobs the step asks for: one forward
         that keeps the hidden states of both kinds of rows (the last layer runs only them)."""
-        inputs = build_model_inputs(work.scheduled, self.kv_cache.addressing_block_size, self.device)
+        inputs = build_model_inputs(
+            work.scheduled, self.kv_cache.addressing_block_size, self.device, table=self.block_table
+        )
         sample_rows = inputs.logits_indices.tolist()
         extra = [r for p in work.prompt for r in range(p.first_row, p.first_row + len(p.targets))]
         rows = sorted(set(sample_rows) | set(extra)) if extra else sample_rows
@@ -245,7 +252,8 @@ class Worker:
         if not self.config.cuda_graph or self.config.layout != KVLayout.PAGED:
             return None
         return DecodeGraphRunner(
-            self.model, self.kv_cache, self.max_model_len, self.config.cuda_graph_max_batch_size, self.device
+            self.model, self.kv_cache, self.max_model_len, self.config.cuda_graph_max_batch_size, self.device,
+            table=self.block_table,
         )
 
     def _prepare_fast_forward(self) -> FastCpuForward | None:
