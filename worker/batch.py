@@ -130,7 +130,9 @@ def build_model_inputs(
     else:
         rows = np.fromiter((s.table_row for s in seqs), dtype=np.int32, count=len(seqs))
         token_rows = np.repeat(rows, query_lens)
-        slot_mapping = table.host[token_rows, positions // block_size] * np.int64(block_size) + positions % block_size
+        slot_mapping = (
+            table.host[token_rows, positions // block_size] * np.int64(block_size) + positions % block_size
+        )
         device_table = table.sync()  # uploads only the entries this step's plan changed
         block_tables = torch.from_numpy(table.host) if device_table is None else device_table
     logits_indices = query_start_loc[1:][[s.sample for s in seqs]] - 1
@@ -148,7 +150,10 @@ def build_model_inputs(
     if table_rows is not None and block_tables.is_cuda:
         # One gather launch per step instead of a per-layer one: the CUDA kernels read [S, w].
         width = blocks_needed(int(seq_lens.max()), block_size)
-        block_tables, table_rows = block_tables.index_select(0, table_rows.long())[:, :width].contiguous(), None
+        block_tables, table_rows = (
+            block_tables.index_select(0, table_rows.long())[:, :width].contiguous(),
+            None,
+        )
     attention = AttentionMetadata(
         slot_mapping=to_device(slot_mapping, torch.int64),
         block_tables=block_tables,

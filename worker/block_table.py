@@ -29,7 +29,9 @@ INITIAL_ROWS = 64
 
 
 class BlockTable:
-    def __init__(self, width: int, device: torch.device | str | None = None, rows: int = INITIAL_ROWS) -> None:
+    def __init__(
+        self, width: int, device: torch.device | str | None = None, rows: int = INITIAL_ROWS
+    ) -> None:
         """`device`: keep a device copy there (any torch device; the CPU one emulates CUDA's
         uploads in tests); None: host only (the CPU worker's kernels read `host` directly)."""
         if width < 1 or rows < 2:
@@ -111,7 +113,9 @@ class BlockTable:
         elif self._spans:
             index, values = self.pending_upload()
             flat = self.device_table.view(-1)
-            flat.index_copy_(0, index.to(self._device, non_blocking=True), values.to(self._device, non_blocking=True))
+            flat.index_copy_(
+                0, index.to(self._device, non_blocking=True), values.to(self._device, non_blocking=True)
+            )
         self._spans.clear()
         return self.device_table
 

@@ -45,8 +45,8 @@ class PkModel(ctypes.Structure):
 class PkStep(ctypes.Structure):
     _fields_ = [
         ("tokens", _I64), ("cos", _P), ("sin", _P), ("slots", _P), ("block_tables", _P),
-        ("table_width", _I64), ("table_rows", _P), ("seq_lens", _P), ("query_start_loc", _P), ("num_seqs", _I64),
-        ("block_size", _I64), ("sample_rows", _P), ("num_sample_rows", _I64),
+        ("table_width", _I64), ("table_rows", _P), ("seq_lens", _P), ("query_start_loc", _P),
+        ("num_seqs", _I64), ("block_size", _I64), ("sample_rows", _P), ("num_sample_rows", _I64),
     ]  # fmt: skip
 
 

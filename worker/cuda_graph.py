@@ -75,7 +75,9 @@ def bucket_sizes(max_batch: int) -> tuple[int, ...]:
 
 def context_buckets(max_model_len: int) -> tuple[int, ...]:
     """MIN_CONTEXT_BUCKET, doubling, below max_model_len, then max_model_len itself."""
-    return tuple(size for size in bucket_sizes(max_model_len) if size >= MIN_CONTEXT_BUCKET) or (max_model_len,)
+    return tuple(size for size in bucket_sizes(max_model_len) if size >= MIN_CONTEXT_BUCKET) or (
+        max_model_len,
+    )
 
 
 def graph_key(
@@ -103,7 +105,9 @@ class StaticDecodeInputs:
         cuda = torch.device(device).type == "cuda"
 
         def pair(shape, dtype):
-            return torch.zeros(shape, dtype=dtype, pin_memory=cuda), torch.zeros(shape, dtype=dtype, device=device)
+            return torch.zeros(shape, dtype=dtype, pin_memory=cuda), torch.zeros(
+                shape, dtype=dtype, device=device
+            )
 
         self.host_ids, self.input_ids = pair(max_batch, torch.int64)
         self.host_positions, self.positions = pair(max_batch, torch.int64)
@@ -117,7 +121,9 @@ class StaticDecodeInputs:
         if cuda:
             self._copied.record()
 
-    def fill(self, seqs: Sequence[ScheduledSequence], bucket: int, block_size: int, table: BlockTable) -> None:
+    def fill(
+        self, seqs: Sequence[ScheduledSequence], bucket: int, block_size: int, table: BlockTable
+    ) -> None:
         """Stage this step's rows (padded to `bucket`), copy them to the device buffers and
         gather their tables from the synced persistent table, all on the current stream, so
         the replay that follows on that stream sees them."""

@@ -142,7 +142,9 @@ class SequenceMirrors:
         if self.table is not None:
             fresh = self.table.rebuilt({m.seq_id: m.block_ids for m in self._seqs.values()})
             mismatch = np.argwhere(fresh != self.table.host)
-            assert not mismatch.size, f"persistent block table differs at (row, column) {mismatch[:8].tolist()}"
+            assert not mismatch.size, (
+                f"persistent block table differs at (row, column) {mismatch[:8].tolist()}"
+            )
             device = self.table.sync()
             if device is not None:
                 assert np.array_equal(device.cpu().numpy(), fresh), "the device block table missed an upload"

@@ -111,8 +111,9 @@ class Worker:
             contiguous=config.layout == KVLayout.CONTIGUOUS,
         )
         # Paged: the persistent block table the kernels read by row (worker/block_table.py).
-        self.block_table = None if self.limits.contiguous else BlockTable(
-            self.limits.max_blocks_per_seq, self.device if self.device.type == "cuda" else None
+        table_device = self.device if self.device.type == "cuda" else None
+        self.block_table = (
+            None if self.limits.contiguous else BlockTable(self.limits.max_blocks_per_seq, table_device)
         )
         self.decode_graphs = self._prepare_cuda()
         self.fast_forward = self._prepare_fast_forward()
@@ -252,7 +253,11 @@ class Worker:
         if not self.config.cuda_graph or self.config.layout != KVLayout.PAGED:
             return None
         return DecodeGraphRunner(
-            self.model, self.kv_cache, self.max_model_len, self.config.cuda_graph_max_batch_size, self.device,
+            self.model,
+            self.kv_cache,
+            self.max_model_len,
+            self.config.cuda_graph_max_batch_size,
+            self.device,
             table=self.block_table,
         )
 
