@@ -242,9 +242,10 @@ def plan_decode(
     the plan depends on the two buckets only and equals an eager plan at the bucket's length.
     For each candidate (one pass, or partitions of `PARTITION_CHOICES` tokens) the cost is
     the larger of the work spread over `num_sms * TARGET_CTAS_PER_SM` resident CTAs and the
-    longest single CTA, in keys, with `CTA_FIXED_KEYS` per CTA and `REDUCE_KEYS` for a split's reduce launch. So batch 1 at a
-    long context splits until the SMs are full, a skewed batch splits its long row, and a
-    large uniform batch stays single-pass. One pass must also fit its block ids in
+    longest single CTA, in keys, with `CTA_FIXED_KEYS` per CTA and `REDUCE_KEYS` for a split's
+    reduce launch. So batch 1 at a long context splits until the SMs are full, a skewed batch
+    splits its long row, and a large uniform batch stays single-pass. One pass must also fit
+    its block ids in
     `dynamic_smem_limit`.
     """
     if rows < 1 or ctas_per_row < 1:
