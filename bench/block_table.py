@@ -142,9 +142,8 @@ def bench_context(context: int, steps: int) -> dict:
             for plan in plans[first : first + CHUNK]:
                 variant.step(plan)
             variant.samples[-min(CHUNK, len(plans) - first)] = float("nan")
-    return {
-        f"{v.name}_{context // 1024}k_ms": median([s for s in v.samples[1:] if s == s]) * 1e3 for v in variants
-    }
+    key = f"{context // 1024}k_ms"
+    return {f"{v.name}_{key}": median([s for s in v.samples[1:] if s == s]) * 1e3 for v in variants}
 
 
 def run(quick: bool = False) -> dict:

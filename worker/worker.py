@@ -112,14 +112,14 @@ class Worker:
         )
         # Paged: the persistent block table the kernels read by row (worker/block_table.py).
         table_device = self.device if self.device.type == "cuda" else None
-        self.block_table = (
+        self.persistent_table = (
             None if self.limits.contiguous else BlockTable(self.limits.max_blocks_per_seq, table_device)
         )
         self.decode_graphs = self._prepare_cuda()
         self.fast_forward = self._prepare_fast_forward()
         if self.fast_forward is None and self.model.quantized:  # the reference runs dense linears
             self.model.materialize_quantized(self.dtype, self.device)
-        self.mirrors = SequenceMirrors(self.model_config.vocab_size, self.block_table)
+        self.mirrors = SequenceMirrors(self.model_config.vocab_size, self.persistent_table)
         lse_topk = None if self.fast_forward is None else self.fast_forward.lse_topk
         self.sampler = Sampler(config.seed, self.model_config.eos_token_ids, lse_topk)
         self.instance_id = uuid.uuid4().hex
@@ -185,7 +185,7 @@ class Worker:
         """Logits of the sampling rows, and the prompt logprobs the step asks for: one forward
         that keeps the hidden states of both kinds of rows (the last layer runs only them)."""
         inputs = build_model_inputs(
-            work.scheduled, self.kv_cache.addressing_block_size, self.device, table=self.block_table
+            work.scheduled, self.kv_cache.addressing_block_size, self.device, table=self.persistent_table
         )
         sample_rows = inputs.logits_indices.tolist()
         extra = [r for p in work.prompt for r in range(p.first_row, p.first_row + len(p.targets))]
@@ -258,7 +258,7 @@ class Worker:
             self.max_model_len,
             self.config.cuda_graph_max_batch_size,
             self.device,
-            table=self.block_table,
+            table=self.persistent_table,
         )
 
     def _prepare_fast_forward(self) -> FastCpuForward | None:
