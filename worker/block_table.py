@@ -61,6 +61,8 @@ class BlockTable:
 
     def add(self, seq_id: int, block_ids: Sequence[int]) -> int:
         """A new sequence (also a fork: its full table arrives as a new one): its row slot."""
+        if seq_id in self._row_of:  # plan validation refuses a new sequence already mirrored
+            raise AssertionError(f"sequence {seq_id} already has row {self._row_of[seq_id]}")
         if not self._free:
             self._grow()
         row = self._free.pop()

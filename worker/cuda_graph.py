@@ -222,6 +222,15 @@ class DecodeGraphRunner:
             return hidden[: len(seqs)]
         return hidden[torch.tensor(sampling_rows, dtype=torch.int64, device=self.device)]
 
+    def capture(self, num_seqs: int, context: int) -> None:
+        """Capture now (if not yet) the graph a decode step of `num_seqs` rows whose longest
+        context is `context` would replay (start-up profiling and self-checks)."""
+        key = bucket_for(num_seqs, self.buckets), bucket_for(context, self.context_buckets)
+        if None in key:
+            raise ValueError(f"no graph holds {num_seqs} rows at context {context}")
+        if key not in self._graphs:
+            self._capture(*key)
+
     @property
     def num_captured(self) -> int:
         return len(self._graphs)

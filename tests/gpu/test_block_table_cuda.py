@@ -60,3 +60,5 @@ def test_graph_decode_across_context_buckets_equals_eager():
     assert graph_worker.decode_graphs.num_captured == 2
     assert graph_worker.decode_graphs.max_graphs == len(graph_worker.decode_graphs.buckets) * 3
     assert_same_outputs(graph, eager)
+    graph_worker.decode_graphs.capture(3, 2048)  # what start-up profiling captures ahead of use
+    assert graph_worker.decode_graphs.num_captured == 3

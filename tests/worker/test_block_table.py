@@ -100,3 +100,10 @@ def test_worker_reset_forgets_every_row(worker):
     engine.run_to_completion()
     worker.mirrors.check_table()
     assert not worker.persistent_table.host.any()
+
+
+def test_a_sequence_holds_one_row():
+    table = BlockTable(width=2)
+    table.add(1, [1])
+    with pytest.raises(AssertionError, match="already has row"):
+        table.add(1, [2])
