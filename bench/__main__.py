@@ -28,6 +28,7 @@ SUITES = [
     "transport",
     "e2e",
     "overhead",
+    "block_table",
     "memory",
     "kv_quant",
     "prefix_cache",

@@ -397,11 +397,31 @@ typedef struct {
  * Sequences with at least half a tile of query rows (prefill chunks) go through attend_tile,
  * the rest (decodes) through attend_token. Returns 0, or -1 when the geometry exceeds this
  * kernel's fixed buffers (the caller refuses such models up front). */
+int paged_attention_rows(float *out, const float *query, const void *k_cache, const void *v_cache, int kv_dtype,
+                         const uint8_t *k_exps, const uint8_t *v_exps, float k_scale, float v_scale,
+                         const int32_t *block_tables, int64_t table_width, const int32_t *table_rows,
+                         const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs, int64_t heads,
+                         int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window,
+                         int threads);
+
 int paged_attention(float *out, const float *query, const void *k_cache, const void *v_cache, int kv_dtype,
                     const uint8_t *k_exps, const uint8_t *v_exps, float k_scale, float v_scale,
                     const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
                     const int32_t *query_start_loc, int64_t num_seqs, int64_t heads,
                     int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window, int threads) {
+    return paged_attention_rows(out, query, k_cache, v_cache, kv_dtype, k_exps, v_exps, k_scale, v_scale,
+                                block_tables, table_width, NULL, seq_lens, query_start_loc, num_seqs, heads,
+                                kv_heads, dim, block_size, scale, window, threads);
+}
+
+/* paged_attention with a row indirection: sequence s reads row table_rows[s] of block_tables
+ * (the worker's persistent table, worker/block_table.py); table_rows NULL: row s. */
+int paged_attention_rows(float *out, const float *query, const void *k_cache, const void *v_cache, int kv_dtype,
+                         const uint8_t *k_exps, const uint8_t *v_exps, float k_scale, float v_scale,
+                         const int32_t *block_tables, int64_t table_width, const int32_t *table_rows,
+                         const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs, int64_t heads,
+                         int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window,
+                         int threads) {
     if (heads * dim > MAX_HEADS_X_DIM || heads % kv_heads != 0 || heads > MAX_HEADS_X_DIM / 32) return -1;
     if (kv_is_quantized(kv_dtype) && (!k_exps || !v_exps)) return -3;
     const float unit = kv_code_unit(kv_dtype);
@@ -434,7 +454,7 @@ int paged_attention(float *out, const float *query, const void *k_cache, const v
         const WorkItem it = items[i];
         const int64_t q_len = query_start_loc[it.seq + 1] - query_start_loc[it.seq];
         const int64_t pos = seq_lens[it.seq] - q_len + (it.first_token - query_start_loc[it.seq]);
-        const int32_t *table = block_tables + it.seq * table_width;
+        const int32_t *table = block_tables + (table_rows ? table_rows[it.seq] : it.seq) * table_width;
         const int64_t first_key = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
         if (it.kv_head < 0)
             attend_token(out + it.first_token * heads * dim, query + it.first_token * heads * dim, k_cache,

@@ -29,11 +29,12 @@ void qkv_rope_store(const float *qkv, const float *cos, const float *sin, const 
                     int kv_dtype, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, float eps,
                     uint8_t *k_exps, uint8_t *v_exps, float k_scale, float v_scale, int threads);
 void silu_mul(float *out, const float *gate_up, int64_t rows, int64_t inner, int threads);
-int paged_attention(float *out, const float *query, const void *k_cache, const void *v_cache, int kv_dtype,
-                    const uint8_t *k_exps, const uint8_t *v_exps, float k_scale, float v_scale,
-                    const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
-                    const int32_t *query_start_loc, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
-                    int64_t block_size, float scale, int64_t window, int threads);
+int paged_attention_rows(float *out, const float *query, const void *k_cache, const void *v_cache, int kv_dtype,
+                         const uint8_t *k_exps, const uint8_t *v_exps, float k_scale, float v_scale,
+                         const int32_t *block_tables, int64_t table_width, const int32_t *table_rows,
+                         const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs, int64_t heads,
+                         int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window,
+                         int threads);
 
 typedef struct {
     int32_t kind;        /* DT_F32 / DT_BF16 / DT_F16 panels (cpu_gemm.c), or 4 / 8: integer codes (cpu_quant.c) */
@@ -67,8 +68,9 @@ typedef struct {
     int64_t tokens;
     const float *cos, *sin;      /* [T, head_dim / 2] */
     const int64_t *slots;        /* [T] */
-    const int32_t *block_tables; /* [S, table_width] */
+    const int32_t *block_tables; /* [S, table_width], or [R, table_width] read through table_rows */
     int64_t table_width;
+    const int32_t *table_rows; /* [S]: sequence s's row of block_tables; NULL: row s */
     const int32_t *seq_lens, *query_start_loc; /* [S], [S + 1] */
     int64_t num_seqs, block_size;
     const int64_t *sample_rows; /* [R]: token rows that sample, in output order */
@@ -133,10 +135,10 @@ int pk_decoder(const PkModel *m, const PkStep *s, float *x, float *out, float *s
         qkv_rope_store(wide, s->cos, s->sin, s->slots, L->q_norm, L->k_norm, q, L->k_cache, L->v_cache,
                        m->kv_dtype, T, m->heads, m->kv_heads, m->head_dim, m->eps, L->k_exps, L->v_exps, L->k_scale,
                        L->v_scale, threads);
-        status = paged_attention(attended, q, L->k_cache, L->v_cache, m->kv_dtype, L->k_exps, L->v_exps, L->k_scale,
-                                 L->v_scale, s->block_tables, s->table_width,
-                                 s->seq_lens, s->query_start_loc, s->num_seqs, m->heads, m->kv_heads, m->head_dim,
-                                 s->block_size, m->scale, L->window, threads);
+        status = paged_attention_rows(attended, q, L->k_cache, L->v_cache, m->kv_dtype, L->k_exps, L->v_exps,
+                                      L->k_scale, L->v_scale, s->block_tables, s->table_width, s->table_rows,
+                                      s->seq_lens, s->query_start_loc, s->num_seqs, m->heads, m->kv_heads,
+                                      m->head_dim, s->block_size, m->scale, L->window, threads);
         if (status) return status;
         int64_t rows = T;
         if (li == m->num_layers - 1) { /* past the last attention only the sampling rows matter */

@@ -244,13 +244,14 @@ def plan_decode(
     """Choose single-pass or split-K, and the partition size, by a makespan model.
 
     `row_contexts` are the rows' context lengths when the host knows them (eager steps); a
-    CUDA graph passes None and every row is taken at `max_seq_len` (its capacity), so the
-    plan depends on the bucket and the capacity only. For each candidate (one pass, or
-    partitions of `PARTITION_CHOICES` tokens) the cost is the larger of the work spread over
-    `num_sms * TARGET_CTAS_PER_SM` resident CTAs and the longest single CTA, in keys, with
-    `CTA_FIXED_KEYS` per CTA and `REDUCE_KEYS` for a split's reduce launch. So batch 1 at a
-    long context splits until the SMs are full, a skewed batch splits its long row, and a
-    large uniform batch stays single-pass. One pass must also fit its block ids in
+    CUDA graph passes None and every row is taken at `max_seq_len` (its context bucket), so
+    the plan depends on the two buckets only and equals an eager plan at the bucket's length.
+    For each candidate (one pass, or partitions of `PARTITION_CHOICES` tokens) the cost is
+    the larger of the work spread over `num_sms * TARGET_CTAS_PER_SM` resident CTAs and the
+    longest single CTA, in keys, with `CTA_FIXED_KEYS` per CTA and `REDUCE_KEYS` for a split's
+    reduce launch. So batch 1 at a long context splits until the SMs are full, a skewed batch
+    splits its long row, and a large uniform batch stays single-pass. One pass must also fit
+    its block ids in
     `dynamic_smem_limit`.
     """
     if rows < 1 or ctas_per_row < 1:
@@ -274,6 +275,13 @@ def plan_decode(
         tokens = max(t for t in PARTITION_CHOICES if t % block_size == 0)
         return DecodePlan(rows, ctas_per_row, -(-max_seq_len // tokens), tokens, block_size)
     return best[1]
+
+
+def step_row_contexts(rows: int, num_seqs: int, host_seq_lens: Sequence[int] | None) -> Sequence[int] | None:
+    """What a step passes `plan_decode` as row_contexts: the sequences' lengths when the host
+    knows them and rows are sequences (eager decode), else None, so that every row is taken at
+    max_seq_len (a CUDA graph, whose max_seq_len is its context bucket: worker/cuda_graph.py)."""
+    return host_seq_lens[:num_seqs] if host_seq_lens is not None and rows == num_seqs else None
 
 
 def _makespan(

@@ -10,9 +10,17 @@ Slots are derived here from each sequence's table, never sent by the control pla
 
     slot = table[pos // block_size] * block_size + pos % block_size
 
-The block table is padded to a common width with the null block (0); only the first
-ceil(seq_len / block_size) entries of a row are ever read. The contiguous layout reuses all
-of this with a one-entry table [row] and block_size = max_model_len (a row is one big block).
+With the worker's persistent table (worker/block_table.py, the paged layout) nothing of
+O(context) is built per step: slots read the table's host rows at this step's positions only,
+and the kernels get the whole persistent table plus each sequence's row index
+
+    block_tables = persistent [R, W]     block_table_rows = [row of seq 0, row of seq 1, ...]
+
+(on CUDA the rows are gathered on the device into [S, w], one launch per step). Without it
+(the contiguous layout, tests), each sequence's table is padded to a common width with the
+null block (0); only the first ceil(seq_len / block_size) entries of a row are ever read. The
+contiguous layout reuses all of this with a one-entry table [row] and block_size =
+max_model_len (a row is one big block).
 
 This module is pure host-side preparation so that a CUDA graph runner can fill its static
 buffers from the same arrays.
@@ -27,6 +35,7 @@ import numpy as np
 import torch
 
 from base.plan import NULL_BLOCK_ID
+from worker.block_table import NULL_ROW, BlockTable
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,6 +52,8 @@ class ScheduledSequence:
     # Logit rows wanted when `sample` is set: the last this many tokens' (a speculative verify
     # samples at each of its 1 + k inputs; everything else at its last token only).
     num_logit_rows: int = 1
+    # This sequence's row in the worker's persistent BlockTable; None when there is none.
+    table_row: int | None = None
 
     @property
     def seq_len(self) -> int:
@@ -55,7 +66,9 @@ class AttentionMetadata:
     """What `AttentionBackend.write_kv` / `paged_attention` read; see worker.backends.base."""
 
     slot_mapping: torch.Tensor  # int64 [T]
-    block_tables: torch.Tensor  # int32 [S, width], padded with the null block
+    # int32 [S, width] padded with the null block; with block_table_rows, the persistent
+    # [R, width] table whose row block_table_rows[s] is sequence s's
+    block_tables: torch.Tensor
     seq_lens: torch.Tensor  # int32 [S], including this step's tokens
     query_start_loc: torch.Tensor  # int32 [S + 1], cumulative query lengths
     max_query_len: int
@@ -65,6 +78,13 @@ class AttentionMetadata:
     # prefill kernel the rest), and seq_lens on the host (None: unknown, e.g. a CUDA graph).
     num_decode_seqs: int = 0
     host_seq_lens: tuple[int, ...] | None = None
+    block_table_rows: torch.Tensor | None = None  # int32 [S]: see block_tables
+
+    def sequence_tables(self, width: int | None = None) -> torch.Tensor:
+        """[S, <= width] tables in batch order (for consumers without row indirection)."""
+        if self.block_table_rows is None:
+            return self.block_tables
+        return self.block_tables.index_select(0, self.block_table_rows.long())[:, :width]
 
 
 @dataclass(slots=True)
@@ -86,11 +106,13 @@ def build_model_inputs(
     block_size: int,
     device: torch.device | str,
     block_table_width: int | None = None,
+    table: BlockTable | None = None,
 ) -> ModelInputs:
     """Build the flattened batch. Inputs are assumed validated (tables cover every position).
 
-    `block_table_width` pads the table to a fixed width (a CUDA graph's static buffer);
-    by default it is the widest table the batch needs.
+    `table`: the persistent block table every sequence has a `table_row` in (its device copy,
+    if any, already synced); else `block_table_width` pads per-sequence tables to a fixed
+    width (by default the widest table the batch needs).
     """
     if not seqs:
         raise ValueError("build_model_inputs needs at least one scheduled sequence")
@@ -101,8 +123,18 @@ def build_model_inputs(
 
     input_ids = np.concatenate([np.asarray(s.token_ids, dtype=np.int64) for s in seqs])
     positions = np.concatenate([np.arange(s.start_pos, s.seq_len, dtype=np.int64) for s in seqs])
-    slot_mapping = np.concatenate([_slots(s, block_size) for s in seqs])
-    block_tables = _padded_block_tables(seqs, seq_lens, block_size, block_table_width)
+    rows = None
+    if table is None:
+        slot_mapping = np.concatenate([_slots(s, block_size) for s in seqs])
+        block_tables = torch.from_numpy(_padded_block_tables(seqs, seq_lens, block_size, block_table_width))
+    else:
+        rows = np.fromiter((s.table_row for s in seqs), dtype=np.int32, count=len(seqs))
+        token_rows = np.repeat(rows, query_lens)
+        slot_mapping = (
+            table.host[token_rows, positions // block_size] * np.int64(block_size) + positions % block_size
+        )
+        device_table = table.sync()  # uploads only the entries this step's plan changed
+        block_tables = torch.from_numpy(table.host) if device_table is None else device_table
     logits_indices = query_start_loc[1:][[s.sample for s in seqs]] - 1
     if any(s.num_logit_rows > 1 for s in seqs):
         ends = query_start_loc[1:]
@@ -113,15 +145,25 @@ def build_model_inputs(
     def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(array).to(device=device, dtype=dtype)
 
+    table_rows = None if rows is None else to_device(rows, torch.int32)
+    block_tables = block_tables.to(device=device, dtype=torch.int32)
+    if table_rows is not None and block_tables.is_cuda:
+        # One gather launch per step instead of a per-layer one: the CUDA kernels read [S, w].
+        width = blocks_needed(int(seq_lens.max()), block_size)
+        block_tables, table_rows = (
+            block_tables.index_select(0, table_rows.long())[:, :width].contiguous(),
+            None,
+        )
     attention = AttentionMetadata(
         slot_mapping=to_device(slot_mapping, torch.int64),
-        block_tables=to_device(block_tables, torch.int32),
+        block_tables=block_tables,
         seq_lens=to_device(seq_lens, torch.int32),
         query_start_loc=to_device(query_start_loc, torch.int32),
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
         num_decode_seqs=_leading_single_rows(query_lens),
         host_seq_lens=tuple(seq_lens.tolist()),
+        block_table_rows=table_rows,
     )
     return ModelInputs(
         input_ids=to_device(input_ids, torch.int64),
@@ -134,35 +176,37 @@ def build_model_inputs(
 def fill_decode_inputs(
     seqs: Sequence[ScheduledSequence],
     block_size: int,
+    table: np.ndarray,
     input_ids: np.ndarray,
     positions: np.ndarray,
     slot_mapping: np.ndarray,
     seq_lens: np.ndarray,
-    block_tables: np.ndarray,
+    table_rows: np.ndarray,
 ) -> None:
-    """Write a decode batch (one token per sequence) into preallocated host arrays whose
-    first dimension is the padded batch size (a CUDA-graph bucket) >= len(seqs).
+    """Write a decode batch (one token per sequence, each with a `table_row` in the persistent
+    host `table`) into preallocated host arrays whose first dimension is the padded batch size
+    (a CUDA-graph bucket) >= len(seqs). O(batch): no table row is copied here; `table_rows`
+    says which persistent row each batch row's kernels read (gathered on the device).
 
     Rows past len(seqs) are padding that the kernels must ignore: token 0, position 0,
-    slot -1 (no KV write), seq_len 0 (no attention, zero output) and a table of null blocks.
-    Table columns past a row's ceil(seq_len / block_size) are never read; they are zeroed.
+    slot -1 (no KV write), seq_len 0 (no attention, zero output) and the null row.
     """
     num_seqs = len(seqs)
     if any(len(s.token_ids) != 1 for s in seqs) or num_seqs > input_ids.shape[0]:
         raise ValueError("fill_decode_inputs takes at most one decode token per padded row")
-    block_tables[:] = NULL_BLOCK_ID
-    for row, seq in enumerate(seqs):
-        position = seq.start_pos
-        input_ids[row] = seq.token_ids[0]
-        positions[row] = position + seq.rope_shift  # rotary position; slots use the KV one
-        slot_mapping[row] = seq.table[position // block_size] * block_size + position % block_size
-        seq_lens[row] = position + 1
-        num_blocks = blocks_needed(position + 1, block_size)
-        block_tables[row, :num_blocks] = seq.table[:num_blocks]
+    kv_pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=num_seqs)
+    rows = np.fromiter((s.table_row for s in seqs), dtype=np.int64, count=num_seqs)
+    input_ids[:num_seqs] = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=num_seqs)
+    # rotary position; slots use the KV one
+    positions[:num_seqs] = kv_pos + np.fromiter((s.rope_shift for s in seqs), dtype=np.int64, count=num_seqs)
+    slot_mapping[:num_seqs] = table[rows, kv_pos // block_size] * np.int64(block_size) + kv_pos % block_size
+    seq_lens[:num_seqs] = kv_pos + 1
+    table_rows[:num_seqs] = rows
     input_ids[num_seqs:] = 0
     positions[num_seqs:] = 0
     slot_mapping[num_seqs:] = -1
     seq_lens[num_seqs:] = 0
+    table_rows[num_seqs:] = NULL_ROW
 
 
 def _leading_single_rows(query_lens: np.ndarray) -> int:

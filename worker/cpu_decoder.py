@@ -45,8 +45,8 @@ class PkModel(ctypes.Structure):
 class PkStep(ctypes.Structure):
     _fields_ = [
         ("tokens", _I64), ("cos", _P), ("sin", _P), ("slots", _P), ("block_tables", _P),
-        ("table_width", _I64), ("seq_lens", _P), ("query_start_loc", _P), ("num_seqs", _I64),
-        ("block_size", _I64), ("sample_rows", _P), ("num_sample_rows", _I64),
+        ("table_width", _I64), ("table_rows", _P), ("seq_lens", _P), ("query_start_loc", _P),
+        ("num_seqs", _I64), ("block_size", _I64), ("sample_rows", _P), ("num_sample_rows", _I64),
     ]  # fmt: skip
 
 
@@ -117,8 +117,9 @@ class DecoderStack:
         tables = meta.block_tables
         step = PkStep(
             inputs.num_tokens, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
-            tables.data_ptr(), tables.shape[1], meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(),
-            tables.shape[0], self.kv_cache.addressing_block_size, rows.data_ptr(), rows.shape[0],
+            tables.data_ptr(), tables.stride(0), _ptr(meta.block_table_rows), meta.seq_lens.data_ptr(),
+            meta.query_start_loc.data_ptr(), meta.seq_lens.shape[0], self.kv_cache.addressing_block_size,
+            rows.data_ptr(), rows.shape[0],
         )  # fmt: skip
         scratch = self.scratch(ops, inputs.num_tokens)
         status = ops.pk_decoder(ctypes.byref(self.model), ctypes.byref(step), x.data_ptr(), out.data_ptr(),

@@ -30,7 +30,7 @@ is logged with the largest error and where, and the worker serves eager, or with
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -182,7 +182,19 @@ class WorkerDecodePaths:
         return self.model.compute_logits(self._hidden(seqs))
 
     def graph(self, seqs: list[ScheduledSequence]) -> Tensor:
-        return self.model.compute_logits(self.graphs.forward(seqs))
+        """A replay reads tables by row from the persistent table: the scratch sequences get
+        rows there for the one step, under ids no plan uses (plans' ids are unsigned)."""
+        table = getattr(self.graphs, "table", None)
+        if table is None:  # a fake runner in tests, or one that reads seq.table itself
+            return self.model.compute_logits(self.graphs.forward(seqs))
+        ids = [-1 - i for i in range(len(seqs))]
+        rows = [table.add(seq_id, seq.table) for seq_id, seq in zip(ids, seqs, strict=True)]
+        try:
+            with_rows = [replace(seq, table_row=row) for seq, row in zip(seqs, rows, strict=True)]
+            return self.model.compute_logits(self.graphs.forward(with_rows))
+        finally:
+            for seq_id in ids:
+                table.free(seq_id)
 
 
 def prepare_graphs(

@@ -208,7 +208,7 @@ class PagedKVCache:
             query,
             self.k_caches[layer],
             self.v_caches[layer],
-            meta.block_tables,
+            meta.sequence_tables(-(-meta.max_seq_len // self.addressing_block_size)),
             meta.seq_lens,
             meta.query_start_loc,
             scale,

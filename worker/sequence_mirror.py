@@ -6,6 +6,10 @@ Alongside the tables the mirror counts, per block id, how many live tables refer
 plan validation uses that to refuse a write into a block another sequence still reads
 (the DESIGN §4 invariant: such a write must be preceded by copy-on-write in the same plan).
 
+With a `BlockTable` (the paged layout) every table change is mirrored into it as well, so a
+step hands the kernels row indices into a persistent table instead of rebuilding its rows
+(worker/block_table.py); the Python lists stay the validation's view.
+
 Mutations happen only after a plan validated (worker.plan_validation), so every method
 here may assume its input is consistent.
 """
@@ -16,7 +20,10 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from base.plan import NULL_BLOCK_ID, ContinuingSequence, NewSequence, SamplingParams
+from worker.block_table import BlockTable
 from worker.token_counts import TokenCounts
 
 
@@ -46,8 +53,9 @@ class SequenceMirror:
 class SequenceMirrors:
     """seq id -> SequenceMirror, plus block id -> number of live tables referencing it."""
 
-    def __init__(self, vocab_size: int = 0) -> None:
+    def __init__(self, vocab_size: int = 0, table: BlockTable | None = None) -> None:
         self.vocab_size = vocab_size  # for TokenCounts
+        self.table = table
         self._seqs: dict[int, SequenceMirror] = {}
         self._block_refs: Counter[int] = Counter()
 
@@ -86,13 +94,16 @@ class SequenceMirrors:
             mirror.counts.add(seq.history, 0)
         self._seqs[seq.seq_id] = mirror
         self._block_refs.update(mirror.block_ids[mirror.num_released :])
+        if self.table is not None:
+            self.table.add(seq.seq_id, mirror.block_ids)
         return mirror
 
     def apply_delta(self, seq: ContinuingSequence) -> SequenceMirror:
         """Released entries first, then `replaced`, then `new_block_ids` appended (plan.py's order)."""
         mirror = self._seqs[seq.seq_id]
         table = mirror.block_ids
-        for index in range(mirror.num_released, seq.num_released_blocks):
+        released = range(mirror.num_released, seq.num_released_blocks)
+        for index in released:
             self._unref(table[index])
             table[index] = NULL_BLOCK_ID
         mirror.num_released = max(mirror.num_released, seq.num_released_blocks)
@@ -102,6 +113,12 @@ class SequenceMirrors:
             self._block_refs[block_id] += 1
         table.extend(seq.new_block_ids)
         self._block_refs.update(seq.new_block_ids)
+        if self.table is not None:
+            for index in released:
+                self.table.set(seq.seq_id, index, NULL_BLOCK_ID)
+            for index, block_id in seq.replaced:
+                self.table.set(seq.seq_id, index, block_id)
+            self.table.extend(seq.seq_id, seq.new_block_ids)
         mirror.num_computed_tokens = seq.start_pos + seq.num_inputs
         return mirror
 
@@ -115,15 +132,33 @@ class SequenceMirrors:
         for block_id in mirror.block_ids[keep:]:
             self._unref(block_id)
         del mirror.block_ids[keep:]
+        if self.table is not None:
+            self.table.truncate(seq_id, keep)
 
     def drop(self, seq_id: int) -> None:
         mirror = self._seqs.pop(seq_id)
         for block_id in mirror.block_ids[mirror.num_released :]:
             self._unref(block_id)
+        if self.table is not None:
+            self.table.free(seq_id)
 
     def clear(self) -> None:
         self._seqs.clear()
         self._block_refs.clear()
+        if self.table is not None:
+            self.table.clear()
+
+    def check_table(self) -> None:
+        """Assert the persistent table equals one rebuilt from the mirrored lists (tests)."""
+        if self.table is not None:
+            fresh = self.table.rebuilt({m.seq_id: m.block_ids for m in self._seqs.values()})
+            mismatch = np.argwhere(fresh != self.table.host)
+            assert not mismatch.size, (
+                f"persistent block table differs at (row, column) {mismatch[:8].tolist()}"
+            )
+            device = self.table.sync()
+            if device is not None:
+                assert np.array_equal(device.cpu().numpy(), fresh), "the device block table missed an upload"
 
     def _unref(self, block_id: int) -> None:
         self._block_refs[block_id] -= 1

@@ -42,7 +42,7 @@ def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache, grammars=None) ->
         kv_cache.register(seq.seq_id)
         if seq.sampling.structured is not None:
             grammars.start(mirror, seq.history)
-        steps.append(_entry(kv_cache, mirror, seq, seq.token_ids, grammars))
+        steps.append(_entry(kv_cache, mirrors, mirror, seq, seq.token_ids, grammars))
     for seq in plan.continuing:
         mirror = mirrors.apply_delta(seq)
         # Overlap scheduling: the token sampled last step, which the control plane has not
@@ -51,7 +51,7 @@ def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache, grammars=None) ->
         mirror.last_sample = None
         if seq.num_speculative_tokens:
             proposals[seq.seq_id] = seq.token_ids[-seq.num_speculative_tokens :]
-        steps.append(_entry(kv_cache, mirror, seq, token_ids, grammars))
+        steps.append(_entry(kv_cache, mirrors, mirror, seq, token_ids, grammars))
     steps.sort(key=lambda step: len(step[0].token_ids) != 1)  # stable: decodes first
     work = StepWork([s[0] for s in steps], [r for s in steps for r in s[1]],
                     [s[2] for s in steps for _ in s[1]], [], [s[3] for s in steps],
@@ -70,7 +70,7 @@ def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache, grammars=None) ->
     return work
 
 
-def _entry(kv_cache, mirror: SequenceMirror, seq, token_ids: list[int], grammars):
+def _entry(kv_cache, mirrors: SequenceMirrors, mirror: SequenceMirror, seq, token_ids: list[int], grammars):
     if mirror.counts is not None:
         mirror.counts.add(token_ids, seq.start_pos)
     if mirror.grammar is not None:
@@ -97,5 +97,6 @@ def _entry(kv_cache, mirror: SequenceMirror, seq, token_ids: list[int], grammars
         sample=seq.sample,
         rope_shift=shift,
         num_logit_rows=1 + seq.num_speculative_tokens,
+        table_row=None if mirrors.table is None else mirrors.table.row(seq.seq_id),
     )
     return scheduled, rows, seq.seq_id, mirror, seq.next_token

@@ -29,6 +29,7 @@ from kernels.nvrtc import KernelCompileError
 from kernels.specs import AttentionGeometry
 from worker.backends import get_backend
 from worker.batch import build_model_inputs
+from worker.block_table import BlockTable
 from worker.cpu_forward import FastCpuForward, fast_forward_unavailable
 from worker.cuda_graph import DecodeGraphRunner
 from worker.cuda_quant import replace_quantized_linears
@@ -115,12 +116,17 @@ class Worker:
             contiguous=config.layout == KVLayout.CONTIGUOUS,
             window=0 if config.layout == KVLayout.CONTIGUOUS else self._window_of_every_layer(),
         )
+        # Paged: the persistent block table the kernels read by row (worker/block_table.py).
+        table_device = self.device if self.device.type == "cuda" else None
+        self.persistent_table = (
+            None if self.limits.contiguous else BlockTable(self.limits.max_blocks_per_seq, table_device)
+        )
         self.decode_graphs, self.graph_decision = self._prepare_graphs()
         self.fast_forward = self._prepare_fast_forward()
         self.memory = self._memory_report()
         if self.fast_forward is None and self.model.quantized:  # the reference runs dense linears
             self.model.materialize_quantized(self.dtype, self.device)
-        self.mirrors = SequenceMirrors(self.model_config.vocab_size)
+        self.mirrors = SequenceMirrors(self.model_config.vocab_size, self.persistent_table)
         lse_topk = None if self.fast_forward is None else self.fast_forward.lse_topk
         self.sampler = Sampler(config.seed, self.model_config.eos_token_ids, lse_topk)
         self.instance_id = uuid.uuid4().hex
@@ -185,7 +191,9 @@ class Worker:
     def _forward(self, work) -> tuple[Tensor, list]:
         """Logits of the sampling rows, and the prompt logprobs the step asks for: one forward
         that keeps the hidden states of both kinds of rows (the last layer runs only them)."""
-        inputs = build_model_inputs(work.scheduled, self.kv_cache.addressing_block_size, self.device)
+        inputs = build_model_inputs(
+            work.scheduled, self.kv_cache.addressing_block_size, self.device, table=self.persistent_table
+        )
         sample_rows = inputs.logits_indices.tolist()
         extra = [r for p in work.prompt for r in range(p.first_row, p.first_row + len(p.targets))]
         rows = sorted(set(sample_rows) | set(extra)) if extra else sample_rows
@@ -275,7 +283,8 @@ class Worker:
             config.graph_mode,
             config.layout,
             lambda: DecodeGraphRunner(
-                self.model, self.kv_cache, self.max_model_len, config.cuda_graph_max_batch_size, self.device
+                self.model, self.kv_cache, self.max_model_len, config.cuda_graph_max_batch_size, self.device,
+                table=self.persistent_table,
             ),
             self.model_config.vocab_size,
             self.dtype,

@@ -122,7 +122,7 @@ def long_decode_scenario(driver: PlanDriver, num_steps: int) -> None:
 
 @pytest.mark.parametrize("model", ["qwen3-head-dim-tied", "default"])
 def test_cuda_graph_decode_equals_eager_over_200_steps(checkpoint, model):
-    if model == "default":  # max_model_len 4096: graph launches are split-K planned for capacity
+    if model == "default":  # max_model_len 4096: graphs per context bucket, split-K planned for it
         graph_worker = Worker(WorkerConfig(device="cuda", **DEFAULT_MODEL_SETTINGS))
         eager_worker = Worker(WorkerConfig(device="cuda", cuda_graph=False, **DEFAULT_MODEL_SETTINGS))
     else:

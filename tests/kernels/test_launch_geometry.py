@@ -14,6 +14,7 @@ from kernels.driver import KernelLoadError, check_driver_compatible, select_arch
 from kernels.launch import KernelArgs, plan_decode, prefill_launch
 from kernels.specs import DECODE_THREADS, PREFILL_BLOCK_M, read_sources
 from worker.batch import ScheduledSequence, fill_decode_inputs
+from worker.block_table import NULL_ROW, BlockTable
 from worker.cuda_graph import bucket_for, bucket_sizes
 
 C_TYPES = {"i64": launch.I64, "int": launch.I32, "float": launch.F32}
@@ -227,22 +228,27 @@ def test_buckets_are_powers_of_two_up_to_the_maximum():
 
 
 def test_fill_decode_inputs_derives_slots_and_pads_with_null_rows():
+    table = BlockTable(width=3)
+    table.add(100, [5])  # row 1: another sequence, not in this step
+    rows = [table.add(101, [7, 3]), table.add(102, [9])]
     seqs = [
         ScheduledSequence(
-            table=[7, 3], token_ids=[11], start_pos=5, sample=True
+            table=[7, 3], token_ids=[11], start_pos=5, sample=True, table_row=rows[0]
         ),  # position 5 lives in table[1]
-        ScheduledSequence(table=[9], token_ids=[12], start_pos=0, sample=True),
+        ScheduledSequence(table=[9], token_ids=[12], start_pos=0, sample=True, table_row=rows[1]),
     ]
-    bucket, width, block_size = 4, 3, 4
-    ids, pos, slots = (np.full(bucket, 99, np.int64) for _ in range(3))
+    bucket, block_size = 4, 4
+    ids, pos, slots, table_rows = (np.full(bucket, 99, np.int64) for _ in range(4))
     lens = np.full(bucket, 99, np.int32)
-    tables = np.full((bucket, width), 99, np.int32)
-    fill_decode_inputs(seqs, block_size, ids, pos, slots, lens, tables)
+    fill_decode_inputs(seqs, block_size, table.host, ids, pos, slots, lens, table_rows)
     assert ids.tolist() == [11, 12, 0, 0]
     assert pos.tolist() == [5, 0, 0, 0]
     assert slots.tolist() == [3 * 4 + 1, 9 * 4 + 0, -1, -1]
     assert lens.tolist() == [6, 1, 0, 0]
-    assert tables.tolist() == [[7, 3, 0], [9, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert table_rows.tolist() == [2, 3, NULL_ROW, NULL_ROW]
+    # what the graph path gathers on the device from these rows: the sequences' tables, and
+    # the null row (all null blocks) for padding
+    assert table.host[table_rows].tolist() == [[7, 3, 0], [9, 0, 0], [0, 0, 0], [0, 0, 0]]
 
 
 def test_arch_selection_and_driver_compatibility():

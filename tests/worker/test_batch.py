@@ -24,9 +24,14 @@ def test_decode_rows_rotate_by_their_rope_shift_and_write_by_kv_position():
     import numpy as np
 
     from worker.batch import ScheduledSequence, fill_decode_inputs
+    from worker.block_table import BlockTable
 
-    seqs = [ScheduledSequence(table=[3, 5], token_ids=[7], start_pos=9, sample=True, rope_shift=-4)]
-    ids, pos, slots = (np.zeros(2, np.int64) for _ in range(3))
-    lens, tables = np.zeros(2, np.int32), np.zeros((2, 4), np.int32)
-    fill_decode_inputs(seqs, 8, ids, pos, slots, lens, tables)
+    table = BlockTable(width=4)
+    row = table.add(42, [3, 5])
+    seqs = [
+        ScheduledSequence(table=[3, 5], token_ids=[7], start_pos=9, sample=True, rope_shift=-4, table_row=row)
+    ]
+    ids, pos, slots, rows = (np.zeros(2, np.int64) for _ in range(4))
+    lens = np.zeros(2, np.int32)
+    fill_decode_inputs(seqs, 8, table.host, ids, pos, slots, lens, rows)
     assert pos[0] == 5 and slots[0] == 5 * 8 + 1 and lens[0] == 10

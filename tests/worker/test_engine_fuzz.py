@@ -24,6 +24,8 @@ and roll rejected slots back). Properties:
     abort lands at the same logical moment (after the same ops) in every run but may catch
     a request at a different point of its progress, so the shorter token list must then be
     a prefix of the longer;
+  - after every step the worker's persistent block table (worker/block_table.py) equals one
+    rebuilt from scratch from its mirrored tables;
   - afterwards nothing leaked: every real block is free (free cached blocks count as free
     in control_plane/block_pool.py), no table, running or waiting sequence is left, and the
     worker mirrors no sequence.
@@ -205,6 +207,16 @@ def run_workload(
     worker = make_worker(
         path, block_size=wl.block_size, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN, **worker_settings
     )
+    execute = worker.execute
+
+    def execute_and_check_table(plan):
+        # The persistent block table, delta-applied, equals one rebuilt from scratch from the
+        # mirrored tables after every step (forks, CoW, preemption, rollback, aborts).
+        result = execute(plan)
+        worker.mirrors.check_table()
+        return result
+
+    worker.execute = execute_and_check_table
     config = wl.config()
     if spec:
         config.speculative = SPECULATIVE

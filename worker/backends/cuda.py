@@ -53,6 +53,7 @@ from kernels.launch import (
     plan_decode,
     prefill_launch,
     split_attention,
+    step_row_contexts,
     write_kv_launch,
 )
 from kernels.specs import (
@@ -325,8 +326,7 @@ class CudaAttentionBackend:
         """The split's decode rows through the decode kernel (see AttentionSplit)."""
         k_cache, v_cache, tables, lens, qsl, kv_quant = pools
         rows, num_seqs = split.decode_rows, split.decode_seqs
-        # The planner wants per-row lengths: the sequences' only when rows are sequences.
-        contexts = host_seq_lens[:num_seqs] if host_seq_lens is not None and rows == num_seqs else None
+        contexts = step_row_contexts(rows, num_seqs, host_seq_lens)
         if kv_quant is None:
             spec = decode_program(g.dtype, g.head_dim, g.block_size, g.group_tile)
         else:
