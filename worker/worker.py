@@ -283,7 +283,11 @@ class Worker:
             config.graph_mode,
             config.layout,
             lambda: DecodeGraphRunner(
-                self.model, self.kv_cache, self.max_model_len, config.cuda_graph_max_batch_size, self.device,
+                self.model,
+                self.kv_cache,
+                self.max_model_len,
+                config.cuda_graph_max_batch_size,
+                self.device,
                 table=self.persistent_table,
             ),
             self.model_config.vocab_size,
