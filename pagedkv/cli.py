@@ -25,6 +25,7 @@ from pagedkv.cli_flags import (  # argparse value types and flag groups, shared 
     DefaultsFormatter,
     add_client_security_flags,
     add_control_limits,
+    add_event_loop_flag,
     add_lifecycle_flags,
     add_logging_flags,
     add_shutdown_grace_flag,
@@ -234,6 +235,7 @@ def _add_server_commands(sub) -> None:
     )
     add_logging_flags(s)
     for p in (w, c, s):
+        add_event_loop_flag(p)
         p.formatter_class = DefaultsFormatter
 
 
