@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV ?= .venv
 VENV_FLAGS ?=
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= worker,cuda,bench,test,http
+EXTRAS ?= worker,cuda,bench,test,http,fast
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.installed-stamp

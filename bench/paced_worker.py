@@ -29,6 +29,7 @@ import signal
 import time
 from pathlib import Path
 
+from base import event_loop
 from base.logs import LEVELS, configure_logging
 from base.plan import Plan, StepResult
 from control_plane.sim_worker import SimWorker
@@ -109,12 +110,13 @@ def main() -> None:
     ap.add_argument("--listen", required=True, help="address to serve on, e.g. unix:///tmp/w.sock")
     ap.add_argument("--step-ms", type=float, required=True, help="the time every step takes")
     ap.add_argument("--ready-file", help="write {address, pid} as JSON once listening")
+    ap.add_argument("--event-loop", choices=event_loop.CHOICES, default="auto", help="as `pagedkv worker`")
     ap.add_argument("--log-level", choices=LEVELS, default="warning", type=str.lower, help="log threshold")
     args = ap.parse_args()
     if not args.step_ms > 0:
         ap.error(f"--step-ms must be > 0, got {args.step_ms}")
     configure_logging(level=args.log_level)
-    asyncio.run(serve(args.listen, args.step_ms / 1e3, args.ready_file))
+    event_loop.runner(args.event_loop)(serve(args.listen, args.step_ms / 1e3, args.ready_file))
 
 
 if __name__ == "__main__":

@@ -36,10 +36,14 @@ class ProcessStack:
         worker_args: tuple[str, ...] = (),
         control_args: tuple[str, ...] = (),
         worker_command: list[str] | None = None,
+        cwd: str | None = None,
     ) -> None:
         """`control_args` are appended to the `pagedkv control` command line; `worker_command`
         is the argv prefix to start instead of `pagedkv worker` (it gets `--listen ADDR`, then
-        `worker_args`, `--ready-file PATH` and `--log-level warning`, and no `--metrics-port`)."""
+        `worker_args`, `--ready-file PATH` and `--log-level warning`, and no `--metrics-port`).
+        `cwd`: run both processes from this checkout (`python -m` imports from the current
+        directory first) -- before/after comparisons of the stack itself (bench/hop_ab.py)."""
+        self._cwd = cwd
         self._dir = Path(tempfile.mkdtemp(prefix="pkvp-"))  # short: unix paths are limited to ~107 bytes
         socket = f"unix://{self._dir}/worker.sock"
         self._procs: list[subprocess.Popen] = []
@@ -67,7 +71,7 @@ class ProcessStack:
         prefix = prefix or [sys.executable, "-m", "pagedkv.cli", command]
         argv = [*prefix, *args, "--ready-file", str(ready)]
         proc = subprocess.Popen(
-            [*argv, "--log-level", "warning"], stdout=log.open("w"), stderr=subprocess.STDOUT
+            [*argv, "--log-level", "warning"], stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=self._cwd
         )
         self._procs.append(proc)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -76,6 +80,11 @@ class ProcessStack:
                 raise RuntimeError(f"{what} did not start (exit {proc.poll()}):\n{log.read_text()}")
             time.sleep(0.05)
         return json.loads(ready.read_text())
+
+    @property
+    def pids(self) -> tuple[int, int]:
+        """(worker, control plane) process ids."""
+        return self._procs[0].pid, self._procs[1].pid
 
     def worker_execute_seconds(self) -> float:
         """Total seconds the worker has spent executing plans since it started."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from base.tokenizer import IncrementalDetokenizer, Tokenizer
 from control_plane.errors import EngineError
@@ -47,6 +47,31 @@ class Chunk:
     beam_score: float | None = None
     top_logprobs: list[tuple[list[int], list[float]]] | None = None  # per token
     prompt_logprobs: list | None = None  # control_plane.request.PromptTokenLogprob, positions 1..
+
+
+def merge_steps(steps: list[list[Chunk]]) -> list[Chunk]:
+    """Several steps' chunks as one chunk per sample, in order of each sample's first chunk:
+    tokens, text, logprobs and top logprobs concatenated; the finish, usage and beam fields
+    from the sample's last chunk (the only one that has them); prompt logprobs from its first
+    (the only one that has them)."""
+    merged: dict[int, Chunk] = {}
+    for chunks in steps:
+        for c in chunks:
+            m = merged.get(c.index)
+            if m is None:
+                merged[c.index] = replace(c, token_ids=list(c.token_ids))
+                continue
+            m.token_ids += c.token_ids
+            m.text += c.text
+            m.logprobs = _concat(m.logprobs, c.logprobs)
+            m.top_logprobs = _concat(m.top_logprobs, c.top_logprobs)
+            m.finish_reason, m.usage = c.finish_reason, c.usage
+            m.cumulative_logprob, m.beam_score = c.cumulative_logprob, c.beam_score
+    return list(merged.values())
+
+
+def _concat(a: list | None, b: list | None) -> list | None:
+    return b if a is None else a if b is None else a + b
 
 
 class _SampleText:
@@ -107,6 +132,7 @@ class RequestStream:
             [_SampleText(tokenizer, stops, min_tokens) for _ in range(n)] if tokenizer is not None else None
         )
         self._queue: asyncio.Queue[list[Chunk] | EngineError] = asyncio.Queue()
+        self._error: EngineError | None = None  # taken from the queue behind chunks, not yet raised
         self._num_finished = 0
         self.done = False  # every sample has finished, or the stream failed
         self.created = time.monotonic()
@@ -169,11 +195,26 @@ class RequestStream:
             self._queue.put_nowait(error)
 
     async def next(self) -> list[Chunk]:
-        """The next batch of chunks; raises the failure if the stream failed."""
+        """The chunks pushed since the last call, one per sample (a reader that fell behind
+        gets several steps' tokens in one message each: fewer messages to write, the same
+        concatenated output); raises the failure if the stream failed (after the chunks
+        pushed before it)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         item = await self._queue.get()
         if isinstance(item, EngineError):
             raise item
-        return item
+        if self._queue.empty():  # the reader keeps up: the common case
+            return item
+        steps = [item]
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, EngineError):
+                self._error = item
+                break
+            steps.append(item)
+        return merge_steps(steps)
 
     def drained(self) -> bool:
-        return self.done and self._queue.empty()
+        return self.done and self._queue.empty() and self._error is None

@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -35,6 +36,8 @@ from base.v1 import worker_pb2
 from control_plane.errors import EngineError, WorkerUnavailableError
 
 _SERVICE = "/pagedkv.v1.Worker/"
+_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
+T = TypeVar("T")
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 
 
@@ -72,6 +75,16 @@ def _translate(code: grpc.StatusCode, details: str, target: str, what: str) -> E
 
 def _translate_rpc_error(e: grpc.aio.AioRpcError, target: str, what: str) -> EngineError:
     return _translate(e.code(), e.details() or "", target, what)
+
+
+async def _within(operation: Awaitable[T], seconds: float) -> T:
+    """`await operation`, or asyncio.TimeoutError after `seconds`. On Python >= 3.11 a timer
+    on the awaiting task (asyncio.timeout): no task is wrapped around each read and write, as
+    asyncio.wait_for does -- one loop turn less per message (docs/PERF.md "Cheaper hop")."""
+    if _timeout is None:  # Python 3.10
+        return await asyncio.wait_for(operation, seconds)
+    async with _timeout(seconds):
+        return await operation
 
 
 class WorkerClient:
@@ -167,7 +180,7 @@ class WorkerClient:
         plan in flight on it."""
         done = False
         try:
-            value = await asyncio.wait_for(operation, self.step_timeout_s)
+            value = await _within(operation, self.step_timeout_s)
             done = True
             return value
         except grpc.aio.AioRpcError as e:

@@ -26,6 +26,7 @@ from pagedkv.cli_flags import (  # argparse value types and flag groups, shared 
     add_client_security_flags,
     add_control_limits,
     add_cuda_worker_flags,
+    add_event_loop_flag,
     add_lifecycle_flags,
     add_logging_flags,
     add_shutdown_grace_flag,
@@ -235,6 +236,7 @@ def _add_server_commands(sub) -> None:
     )
     add_logging_flags(s)
     for p in (w, c, s):
+        add_event_loop_flag(p)
         p.formatter_class = DefaultsFormatter
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from base import event_loop
 from base.logs import FORMATS, LEVELS
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
@@ -145,6 +146,15 @@ def add_client_security_flags(p: argparse.ArgumentParser, prefix: str = "", what
 def add_logging_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", choices=FORMATS, default="console", help="log lines as JSON or for humans")
     p.add_argument("--log-level", choices=LEVELS, default="info", type=str.lower, help="log threshold")
+
+
+def add_event_loop_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--event-loop",
+        choices=event_loop.CHOICES,
+        default="auto",
+        help="asyncio loop of the server process: uvloop if installed (auto), or insist on one",
+    )
 
 
 def add_shutdown_grace_flag(p: argparse.ArgumentParser) -> None:

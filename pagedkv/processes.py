@@ -18,6 +18,7 @@ import os
 import signal
 from pathlib import Path
 
+from base import event_loop
 from base.logs import configure_logging, get_logger
 
 
@@ -102,6 +103,7 @@ async def _worker_main(args) -> int:
         "worker.listening",
         address=address,
         status="NOT_SERVING until the model and KV pool are ready",
+        event_loop=event_loop.loop_name(),
         **security.describe(),
     )
     _write_ready_file(args.ready_file, address, metrics)
@@ -128,7 +130,7 @@ async def _worker_main(args) -> int:
 def run_worker(args) -> int:
     configure_logging(args.log_format, args.log_level)
     try:
-        return asyncio.run(_worker_main(args))
+        return event_loop.runner(args.event_loop)(_worker_main(args))
     except (ValueError, RuntimeError) as e:  # WorkerConfigError / bad address; address in use
         get_logger("pagedkv.worker").error("worker.start_failed", error=str(e))
         return 2 if isinstance(e, ValueError) else 1
@@ -191,6 +193,7 @@ async def _control_main(args) -> int:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         prefix_caching=config.enable_prefix_caching,
+        event_loop=event_loop.loop_name(),
     )
     _write_ready_file(args.ready_file, address, metrics)
     await _stop_event().wait()
@@ -204,7 +207,7 @@ async def _control_main(args) -> int:
 def run_control(args) -> int:
     configure_logging(args.log_format, args.log_level)
     try:
-        return asyncio.run(_control_main(args))
+        return event_loop.runner(args.event_loop)(_control_main(args))
     except (ValueError, RuntimeError) as e:  # bad settings, address in use
         get_logger("pagedkv.control").error("control.start_failed", error=str(e))
         return 2 if isinstance(e, ValueError) else 1

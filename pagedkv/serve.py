@@ -61,8 +61,9 @@ def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
     sock = f"unix://{tmpdir}/worker.sock"
     ready = tmpdir / "control.json"
     base = [sys.executable, "-m", "pagedkv.cli"]
-    logging_flags = ["--log-format", args.log_format, "--log-level", args.log_level]
-    worker = [*base, "worker", "--listen", sock, *logging_flags]
+    common_flags = ["--log-format", args.log_format, "--log-level", args.log_level]
+    common_flags += ["--event-loop", args.event_loop]
+    worker = [*base, "worker", "--listen", sock, *common_flags]
     worker_flags = ["model", "device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "kv_layout"]
     worker_flags += ["kv_cache_dtype"]
     worker_flags += ["max_model_len", "cuda_graph", "gpu_memory_utilization", "max_num_batched_tokens"]
@@ -71,7 +72,7 @@ def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
     # Every decode batch the control plane can form then fits a captured graph.
     worker += ["--cuda-graph-max-batch-size", str(args.max_num_seqs)]
     worker += _metrics_flags(args, worker_metrics_port(args.metrics_port))
-    control = [*base, "control", "--worker", sock, "--listen", f"{args.host}:{args.port}", *logging_flags]
+    control = [*base, "control", "--worker", sock, "--listen", f"{args.host}:{args.port}", *common_flags]
     control += ["--ready-file", str(ready)]
     control += _flags(
         args,

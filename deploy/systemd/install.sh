@@ -2,7 +2,7 @@
 # Install the pagedkv systemd units. Run as root, after the code is in place:
 #
 #   sudo git clone <repo> /opt/pagedkv     # the units run /opt/pagedkv/.venv/bin/pagedkv
-#   cd /opt/pagedkv && sudo make setup EXTRAS=worker VENV_FLAGS=--system-site-packages
+#   cd /opt/pagedkv && sudo make setup EXTRAS=worker,fast VENV_FLAGS=--system-site-packages
 #   sudo deploy/systemd/install.sh
 #   sudoedit /etc/pagedkv/pagedkv.env      # model path, KV budget, ports
 #   sudo systemctl enable --now pagedkv-control   # pulls in pagedkv-worker

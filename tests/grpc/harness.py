@@ -9,6 +9,7 @@ blocking `pagedkv.client.Client`, as a user would.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import tempfile
 import threading
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from base import event_loop
 from control_plane.engine_loop import AsyncEngine, EngineOptions
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.service import create_server, shutdown
@@ -24,6 +26,14 @@ from pagedkv.client import Client
 from worker.service import WorkerServicer, create_worker_server
 
 TIMEOUT_S = 120.0  # a hang guard only: CI machines are shared and may be very busy
+# The loop the deployed processes run on (uvloop when installed), unless the run asks for
+# another: PAGEDKV_TEST_EVENT_LOOP=asyncio runs these tests on the stdlib loop.
+TEST_EVENT_LOOP = os.environ.get("PAGEDKV_TEST_EVENT_LOOP", "auto")
+
+
+def run_async(coro):
+    """`asyncio.run(coro)` on the loop the tests are asked to use (TEST_EVENT_LOOP)."""
+    return event_loop.runner(TEST_EVENT_LOOP)(coro)
 
 
 class Stack:
@@ -45,7 +55,7 @@ class Stack:
         self.config = config or SchedulerConfig()
         self.options = options or EngineOptions(worker_grace_s=2.0)
         self.security = security
-        self.loop = asyncio.new_event_loop()
+        self.loop = event_loop.new_loop(TEST_EVENT_LOOP)
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-grpc-loop", daemon=True)
         self._thread.start()
         self.worker = None

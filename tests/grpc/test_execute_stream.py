@@ -28,6 +28,7 @@ from control_plane.scheduler_config import SchedulerConfig
 from control_plane.sim_worker import reference_tokens
 from control_plane.worker_client import WorkerClient, WorkerRestartedError, WorkerStepError
 from tests.grpc.conftest import VOCAB, ScriptedWorker
+from tests.grpc.harness import run_async
 from worker.service import WorkerServicer, create_worker_server
 
 PROMPTS = {"a": list(range(1, 40)), "b": list(range(1, 40)) + [7, 8], "c": [5] * 23}
@@ -131,7 +132,7 @@ async def _stream_vs_unary(worker) -> tuple[dict, dict, CountingServicer]:
 
 
 def test_many_steps_over_one_stream_equal_unary_and_the_reference():
-    via_stream, via_unary, servicer = asyncio.run(_stream_vs_unary(sim()))
+    via_stream, via_unary, servicer = run_async(_stream_vs_unary(sim()))
     assert via_stream == reference()
     assert via_unary == via_stream
     assert servicer.streams_opened == 1
@@ -139,7 +140,7 @@ def test_many_steps_over_one_stream_equal_unary_and_the_reference():
 
 
 def test_real_model_tokens_over_the_stream_equal_unary(real_worker):
-    via_stream, via_unary, _ = asyncio.run(_stream_vs_unary(real_worker))
+    via_stream, via_unary, _ = run_async(_stream_vs_unary(real_worker))
     assert via_stream == via_unary
     assert all(len(tokens) == MAX_TOKENS for tokens in via_stream.values())
 
@@ -167,7 +168,7 @@ def test_instance_mismatch_raises_restarted_and_the_next_call_reopens_the_stream
     async def wrong_instance(client, plan, info):
         await client.execute(plan, "an-instance-that-is-gone")
 
-    tokens, error = asyncio.run(_run_with_one_bad_plan(sim(), wrong_instance, WorkerRestartedError))
+    tokens, error = run_async(_run_with_one_bad_plan(sim(), wrong_instance, WorkerRestartedError))
     assert "an-instance-that-is-gone" in str(error)
     assert tokens == reference()  # nothing of the refused plan was applied
 
@@ -180,9 +181,9 @@ def test_invalid_plan_is_rejected_whole_and_a_new_stream_continues(real_worker):
         finished = [s.seq_id for s in plan.continuing]
         await client.execute(dataclasses.replace(plan, finished=finished), info.instance_id)
 
-    tokens, error = asyncio.run(_run_with_one_bad_plan(real_worker, drop_then_continue, WorkerStepError))
+    tokens, error = run_async(_run_with_one_bad_plan(real_worker, drop_then_continue, WorkerStepError))
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT
-    via_stream, _, _ = asyncio.run(_stream_vs_unary(real_worker))
+    via_stream, _, _ = run_async(_stream_vs_unary(real_worker))
     assert tokens == via_stream
 
 
@@ -202,7 +203,7 @@ async def _time_out_then_recover() -> tuple[Exception, dict, int]:
 
 
 def test_step_timeout_is_unavailable_and_the_client_recovers():
-    error, tokens, streams_opened = asyncio.run(_time_out_then_recover())
+    error, tokens, streams_opened = run_async(_time_out_then_recover())
     assert not isinstance(error, WorkerRestartedError)
     assert "step timeout" in str(error)
     assert tokens == reference()
@@ -226,7 +227,7 @@ async def _concurrent_execute() -> None:
 
 
 def test_a_second_plan_in_flight_is_refused():
-    asyncio.run(_concurrent_execute())
+    run_async(_concurrent_execute())
 
 
 async def _worker_replaced_between_steps() -> tuple[Exception, dict]:
@@ -257,7 +258,7 @@ async def _worker_replaced_between_steps() -> tuple[Exception, dict]:
 
 
 def test_a_worker_replaced_between_steps_is_noticed_by_the_next_plan():
-    error, tokens = asyncio.run(_worker_replaced_between_steps())
+    error, tokens = run_async(_worker_replaced_between_steps())
     # Restarted if the dead stream was already seen closed, plain unavailable if the write
     # met it: both make the engine reconnect and recompute.
     assert isinstance(error, WorkerUnavailableError)

@@ -1,11 +1,16 @@
-"""RequestStream: incremental text, stop strings held back and cut, UTF-8 safety."""
+"""RequestStream: incremental text, stop strings held back and cut, UTF-8 safety; a reader
+that fell behind gets the queued steps merged, one message per sample."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from base.tokenizer import ByteTokenizer
+from control_plane.errors import WorkerUnavailableError
 from control_plane.request import FinishReason, RequestOutput, Usage
 from control_plane.request_stream import RequestStream
 
@@ -70,3 +75,64 @@ def test_done_after_every_sample_finished():
     assert not s.done
     s.push([s.to_chunk(RequestOutput("r", 1, [2], None, FinishReason.LENGTH, Usage()))[0]])
     assert s.done and not s.drained()
+
+
+def _step(s: RequestStream, outputs: list[RequestOutput]):
+    s.push([s.to_chunk(out)[0] for out in outputs])
+
+
+def _out(index: int, token: int, finish: bool = False, first: bool = False) -> RequestOutput:
+    return RequestOutput(
+        "r",
+        index,
+        [token],
+        [-0.5 * token],
+        FinishReason.LENGTH if finish else None,
+        Usage(prompt_tokens=3, completion_tokens=3) if finish else None,
+        top_logprobs=[([token, 0], [-0.5 * token, -9.0])],
+        prompt_logprobs=["prompt"] if first else None,
+    )
+
+
+def test_a_reader_that_keeps_up_gets_each_step_as_pushed():
+    s = RequestStream("r", 1, ByteTokenizer())
+    _step(s, [_out(0, ord("a"), first=True)])
+    [chunk] = asyncio.run(s.next())
+    assert chunk.token_ids == [ord("a")] and chunk.text == "a" and chunk.prompt_logprobs == ["prompt"]
+
+
+def test_a_reader_that_fell_behind_gets_one_message_per_sample_with_everything():
+    """Three steps of two samples queued: two chunks, each the concatenation of its sample's
+    three (tokens, text, logprobs, top logprobs), the finish and usage of its last, the prompt
+    logprobs of its first; the stream then drains."""
+    s = RequestStream("r", 2, ByteTokenizer())
+    _step(s, [_out(0, ord("a"), first=True), _out(1, ord("x"), first=True)])
+    _step(s, [_out(0, ord("b")), _out(1, ord("y"))])
+    _step(s, [_out(0, ord("c"), finish=True), _out(1, ord("z"), finish=True)])
+    first, second = asyncio.run(s.next())
+    assert (first.index, second.index) == (0, 1)
+    assert first.token_ids == [ord(c) for c in "abc"] and first.text == "abc"
+    assert second.token_ids == [ord(c) for c in "xyz"] and second.text == "xyz"
+    assert first.logprobs == [-0.5 * ord(c) for c in "abc"]
+    assert first.top_logprobs == [([ord(c), 0], [-0.5 * ord(c), -9.0]) for c in "abc"]
+    assert first.prompt_logprobs == ["prompt"] and second.prompt_logprobs == ["prompt"]
+    assert first.finish_reason == second.finish_reason == FinishReason.LENGTH
+    assert first.usage == Usage(prompt_tokens=3, completion_tokens=3)
+    assert s.drained()
+
+
+def test_a_failure_behind_queued_steps_is_raised_after_their_tokens():
+    s = RequestStream("r", 1, ByteTokenizer())
+    _step(s, [_out(0, ord("a"))])
+    _step(s, [_out(0, ord("b"))])
+    s.fail(WorkerUnavailableError("worker lost"))
+
+    async def read():
+        [chunk] = await s.next()
+        assert not s.drained()  # the failure is still to be reported
+        with pytest.raises(WorkerUnavailableError, match="worker lost"):
+            await s.next()
+        return chunk
+
+    assert asyncio.run(read()).token_ids == [ord("a"), ord("b")]
+    assert s.drained()
