@@ -1,0 +1,46 @@
+/* What the paged-attention translation units share: cpu_attention.c dispatches work items to
+ * attend_token_* (cpu_attention_decode*.c) and attend_tile (cpu_attention_prefill.c). Split so
+ * the build compiles the heavy parts in parallel: each instantiates its kernel per pool dtype
+ * and head_dim, which is most of the C build's time. */
+#ifndef PAGEDKV_CPU_ATTENTION_H
+#define PAGEDKV_CPU_ATTENTION_H
+
+#include <stdint.h>
+
+#include "cpu_kv_quant.h"
+
+#define MAX_HEADS_X_DIM 8192 /* heads * head_dim of one token's accumulators (32 KiB) */
+#define KEY_CHUNK 16
+#define GROUP_BATCH 8 /* query heads scored together against one widened K slice */
+#define MAX_VEC_DIM 256
+#define TILE_ROWS 16  /* query rows (token x head of one GQA group) per prefill work item */
+#define TILE_MAX_DIM 256
+
+/* A quantized pool's scales: bytes [slots, kv_heads] beside the pools, and the per-tensor scales
+ * times the code unit (cpu_kv_quant.h). Unused for fp32 / 16-bit pools. */
+typedef struct {
+    const uint8_t *k_exps, *v_exps;
+    float k_unit, v_unit;
+} KvScales;
+
+/* Internal to the library: not part of its ctypes surface. */
+#define ATTN_INTERNAL __attribute__((visibility("hidden")))
+
+/* One token's query heads against keys [first_key, num_keys) of its sequence (a decode row):
+ * attend_token_wide for fp32 / bf16 / fp16 pools, attend_token_codes for fp8 / int8 codes. */
+ATTN_INTERNAL void attend_token_wide(float *out, const float *q, const void *k_cache, const void *v_cache,
+                                     const int32_t *table, int64_t first_key, int64_t num_keys, int64_t heads,
+                                     int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
+                                     const KvScales *qs, int dtype);
+ATTN_INTERNAL void attend_token_codes(float *out, const float *q, const void *k_cache, const void *v_cache,
+                                      const int32_t *table, int64_t first_key, int64_t num_keys, int64_t heads,
+                                      int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
+                                      const KvScales *qs, int dtype);
+
+/* Up to TILE_ROWS (token, head) rows of one kv head of a prefill chunk, causal and windowed. */
+ATTN_INTERNAL void attend_tile(float *out, const float *query, const void *k_cache, const void *v_cache,
+                               const int32_t *table, int64_t first_token, int64_t n_tokens, int64_t first_pos,
+                               int64_t kv_head, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                               float scale, int64_t window, const KvScales *qs, int dtype);
+
+#endif
