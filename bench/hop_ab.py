@@ -67,7 +67,9 @@ def _measured(stack: ProcessStack, round_no: int, paced_ms: float | None) -> dic
     return res
 
 
-def compare(ways: list[Way], rounds: int, paced_ms: float | None) -> dict:
+def compare(ways: list[Way], rounds: int, paced_ms: float | None, worker_args: tuple[str, ...] = ()) -> dict:
+    """`worker_args`: `pagedkv worker` flags of every way's CPU worker and of the direct one
+    (--model, --dtype: the step the hop is compared with)."""
     config = scheduler_config()
     worker_command = None
     if paced_ms is not None:
@@ -76,14 +78,18 @@ def compare(ways: list[Way], rounds: int, paced_ms: float | None) -> dict:
     try:
         for way in ways:
             stacks[way.name] = ProcessStack(
-                config, control_args=way.control_args, worker_command=worker_command, cwd=way.checkout
+                config,
+                worker_args=worker_args,
+                control_args=way.control_args,
+                worker_command=worker_command,
+                cwd=way.checkout,
             )
         direct = None
         if paced_ms is None:
             from control_plane.engine import EngineCore
             from worker import Worker, WorkerConfig
 
-            direct = direct_runner(EngineCore(Worker(WorkerConfig()), config))
+            direct = direct_runner(EngineCore(Worker(_direct_config(WorkerConfig, worker_args)), config))
         rows: dict[str, list[dict]] = {w.name: [] for w in ways}
         for r in range(rounds):
             direct_itl = direct(1, REQUESTS, MAX_TOKENS, r).itl_p50() * 1e3 if direct else None
@@ -101,13 +107,26 @@ def compare(ways: list[Way], rounds: int, paced_ms: float | None) -> dict:
     return {name: {k: round(median([row[k] for row in rs]), 3) for k in rs[0]} for name, rs in rows.items()}
 
 
+def _direct_config(config_class, worker_args: tuple[str, ...]):
+    """The in-process worker's config from the served one's --model / --dtype flags."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--dtype")
+    flags, rest = ap.parse_known_args(list(worker_args))
+    if rest:
+        raise SystemExit(f"--worker-args: only --model and --dtype reach the direct worker, not {rest}")
+    return config_class(model=flags.model, dtype=flags.dtype)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("ways", nargs="+", help="NAME=CHECKOUT[:control,flags,...]")
     ap.add_argument("--paced-ms", type=float, help="a paced worker of this step time, not the CPU worker")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--worker-args", default="", help="worker flags, comma-separated: --model,random:...")
     args = ap.parse_args()
-    result = compare([Way.parse(s) for s in args.ways], args.rounds, args.paced_ms)
+    worker_args = tuple(a for a in args.worker_args.split(",") if a)
+    result = compare([Way.parse(s) for s in args.ways], args.rounds, args.paced_ms, worker_args)
     print(f"medians over {args.rounds} rounds, load average {os.getloadavg()}:")
     for name, figures in result.items():
         print(f"  {name}: {figures}")
