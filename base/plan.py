@@ -89,6 +89,7 @@ class NewSequence:
     images: list[PlanImage] = field(default_factory=list)
     feed_last_sample: ClassVar[bool] = False  # a new sequence has no sample to feed
     num_speculative_tokens: ClassVar[int] = 0  # only a mirrored sequence speculates
+    num_draft_tokens: ClassVar[int] = 0
 
     @property
     def num_inputs(self) -> int:
@@ -116,10 +117,14 @@ class ContinuingSequence:
     # run of proposals its samples agree with plus the sample after them, and rolls the rest
     # back (positions and table entries past them): see SeqOutput and control_plane/speculation.py.
     num_speculative_tokens: int = 0
+    # Draft-model speculation: the worker's draft proposes this many tokens after the one
+    # input and verifies them like num_speculative_tokens proposals (they count as inputs:
+    # the step computes 1 + k positions). See worker.proto ContinuingSequence.num_draft_tokens.
+    num_draft_tokens: int = 0
 
     @property
     def num_inputs(self) -> int:
-        return len(self.token_ids) + self.feed_last_sample
+        return len(self.token_ids) + self.feed_last_sample + self.num_draft_tokens
 
 
 @dataclass(slots=True)

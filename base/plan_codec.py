@@ -168,6 +168,8 @@ def encode_plan(plan: Plan, expected_instance_id: str = "") -> pb.Plan:
             c.next_token = s.next_token
         if s.num_speculative_tokens:
             c.num_speculative_tokens = s.num_speculative_tokens
+        if s.num_draft_tokens:
+            c.num_draft_tokens = s.num_draft_tokens
     if plan.copies:
         m.copies.extend([_PbCopy(src=a, dst=b) for a, b in plan.copies])
     if plan.finished:
@@ -219,6 +221,7 @@ def decode_plan(m: pb.Plan) -> Plan:
                 s.num_candidates,
                 s.next_token if s.HasField("next_token") else None,
                 s.num_speculative_tokens,
+                s.num_draft_tokens,
             )
             for s in m.continuing
         ],

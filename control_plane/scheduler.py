@@ -45,7 +45,7 @@ from control_plane.scheduler_beams import SchedulerBeams, to_compute
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.scheduler_queries import SchedulerQueries
 from control_plane.scheduler_update import SchedulerUpdate
-from control_plane.speculation import Speculator
+from control_plane.speculation import DRAFT_SLOT, Speculator
 from control_plane.stats import AllocationRate
 
 
@@ -317,11 +317,14 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         start = seq.num_computed_tokens
         feed = start >= seq.num_tokens  # its input is the newest pending sample (overlap)
         num_spec = len(proposals)
+        drafted = False
         tokens = [] if feed else seq.token_ids[start : start + num_new - num_spec]
         if num_spec:
             if feed or not seq.synced:
                 raise AssertionError(f"sequence {seq.seq_id}: speculating without its input token known")
-            tokens.extend(proposals)
+            drafted = proposals[0] == DRAFT_SLOT  # the worker's draft fills them
+            if not drafted:
+                tokens.extend(proposals)
             seq.spec_in_flight = num_spec
         seq.num_computed_tokens = start + num_new
         sample = num_spec > 0 or seq.num_computed_tokens == seq.num_tokens + seq.num_pending
@@ -371,7 +374,8 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
                     feed,
                     candidates,
                     _next_prompt_token(seq, start + len(tokens)),
-                    num_spec,
+                    0 if drafted else num_spec,
+                    num_spec if drafted else 0,
                 )  # fmt: skip
             )
         seq.num_synced_blocks = len(table)

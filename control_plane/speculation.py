@@ -36,13 +36,17 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-METHODS = ("", "ngram")  # "" = off
+METHODS = ("", "ngram", "draft")  # "" = off
 MAX_BACKOFF = 32
+# A proposal slot the worker's draft model fills (`--speculative draft`): `decide` returns k of
+# them and the plan asks for k draft tokens (ContinuingSequence.num_draft_tokens) instead of
+# sending proposals. The control plane never learns the proposals, only the accepted tokens.
+DRAFT_SLOT = -1
 
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    method: str = ""  # "" (off) | "ngram"
+    method: str = ""  # "" (off) | "ngram" | "draft" (the worker's --draft-model proposes)
     num_speculative_tokens: int = 3  # k: proposals per verify step at most
     prompt_lookup_min: int = 2  # shortest suffix matched
     prompt_lookup_max: int = 4  # longest suffix matched (tried first)
@@ -175,6 +179,9 @@ class Speculator:
         k = min(cfg.num_speculative_tokens, max_new, left_by_length - 1 - seq.num_pending)
         if k < 1:
             return []
+        if cfg.method == "draft":
+            # The draft proposes from every known token: with a decode in flight, wait for it.
+            return None if seq.num_pending else [DRAFT_SLOT] * k
         proposals = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         if seq.num_pending:
             # A decode is in flight: a match on the known tokens says waiting for its token
