@@ -223,6 +223,9 @@ class ModelFacts:
     # Quantized KV cache (issue 31): see engine.proto ModelFacts.
     kv_cache_dtype: str = ""  # what the KV pools hold: the dtype above, or "fp8_e4m3" | "fp8_e5m2" | "int8"
     kv_cache_scales: str = ""  # how a quantized pool's scales are chosen; "" when not quantized
+    # Draft-model speculation: e.g. "tiny-draft (1 layers, 2048 bytes/block)"; "" = none. Its pool
+    # shares the target's block ids, so num_blocks counts blocks that fit both pools.
+    draft_model: str = ""
 
     @property
     def accepts_images(self) -> bool:

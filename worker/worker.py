@@ -32,6 +32,7 @@ from worker.batch import build_model_inputs
 from worker.cpu_forward import FastCpuForward, fast_forward_unavailable
 from worker.cuda_graph import DecodeGraphRunner
 from worker.cuda_quant import replace_quantized_linears
+from worker.draft_model import build_draft, load_draft
 from worker.errors import WorkerConfigError
 from worker.grammar_matchers import GrammarMatchers
 from worker.kv_cache import KVCacheSpec, create_kv_cache
@@ -91,14 +92,18 @@ class Worker:
             block_size=config.block_size,
             kv_format=kv_format,
         )
+        draft = load_draft(self, config.draft_model) if config.draft_model else None
         memory = config.kv_cache_memory or default_kv_cache_memory(self.device)
+        num_blocks = config.num_blocks
+        if draft is not None and num_blocks is None:  # both pools hold num_blocks blocks
+            num_blocks = memory // (self.kv_spec.bytes_per_block + draft[2].bytes_per_block)
         self.kv_cache = create_kv_cache(
             self.kv_spec,
             config.layout,
             self.backend,
             self.device,
             self.max_model_len,
-            config.num_blocks,
+            num_blocks,
             memory,
             self.kv_tensor_scales,
         )
@@ -108,11 +113,13 @@ class Worker:
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
             contiguous=config.layout == KVLayout.CONTIGUOUS,
+            draft=draft is not None,
         )
         self.decode_graphs = self._prepare_cuda()
         self.fast_forward = self._prepare_fast_forward()
         if self.fast_forward is None and self.model.quantized:  # the reference runs dense linears
             self.model.materialize_quantized(self.dtype, self.device)
+        self.draft = build_draft(self, *draft) if draft is not None else None
         self.mirrors = SequenceMirrors(self.model_config.vocab_size)
         lse_topk = None if self.fast_forward is None else self.fast_forward.lse_topk
         self.sampler = Sampler(config.seed, self.model_config.eos_token_ids, lse_topk)
@@ -145,11 +152,15 @@ class Worker:
         if self.vision is not None:
             self.vision.admit(plan.new, self.mirrors)
         self.kv_cache.copy_blocks(plan.copies)
+        if self.draft is not None:  # the draft's table is the target's: its blocks copy alike
+            self.draft.kv_cache.copy_blocks(plan.copies)
         if not work.scheduled:
             return StepResult(step_id=plan.step_id), torch.empty(0, self.model_config.vocab_size)
         started = time.perf_counter()
         prompt_out = []
         with torch.inference_mode():
+            if self.draft is not None:  # the draft's KV of every input, and its proposals
+                self.draft.propose(work)
             if self.decode_graphs is not None and self.decode_graphs.accepts(work.scheduled):
                 logits = self.model.compute_logits(self.decode_graphs.forward(work.scheduled))
             else:
@@ -157,13 +168,18 @@ class Worker:
             grammars = [row.grammar for row in work.rows if row.grammar is not None]
             bitmask = self.grammars.fill(grammars) if grammars else None
             samples = self.sampler.sample(logits, work.rows, bitmask)
+            if work.drafts:
+                samples = self.draft.accept(work, logits, samples)
         mirrors = self.mirrors
+        fully_accepted = []
         outputs = []
         for seq_id, sample, row, kept in sequence_outputs(
             work.sampled_ids, work.rows, samples, work.proposals
         ):
             if kept is not None:  # a speculative verify: positions past the kept tokens roll back
                 mirrors.roll_back(seq_id, kept, self.limits.block_size)
+                if seq_id in work.drafts and len(sample.token_ids) > len(work.proposals[seq_id]):
+                    fully_accepted.append(seq_id)
             mirror = mirrors[seq_id]
             # What a feed_last_sample reads: a fan-out's first sample, a verify's last token.
             mirror.last_sample = sample.token_ids[0 if kept is None else -1]
@@ -172,6 +188,9 @@ class Worker:
             outputs.append(
                 SeqOutput(seq_id, sample.token_ids, sample.logprobs, sample.top_ids, sample.top_logprobs)
             )
+        if fully_accepted:
+            with torch.inference_mode():
+                self.draft.catch_up(work, fully_accepted)
         elapsed = time.perf_counter() - started
         return StepResult(plan.step_id, outputs, elapsed, prompt_out), logits
 
@@ -316,9 +335,16 @@ class Worker:
             quantization=self._quantization(),
             kv_cache_dtype=self.kv_spec.kv_cache_dtype,
             kv_cache_scales=describe_scales(self.kv_spec.kv_format, self.kv_tensor_scales),
+            draft_model=self._draft_facts(),
             tokenizer_json=tokenizer_json,
             **self._image_facts(),
         )
+
+    def _draft_facts(self) -> str:
+        if self.draft is None:
+            return ""
+        spec = self.draft.kv_cache.spec
+        return f"{self.draft.name} ({spec.num_layers} layers, {spec.bytes_per_block} bytes/block)"
 
     def _image_facts(self) -> dict[str, int]:
         mm = self.model_config.multimodal
