@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 
+from base.logs import get_logger
 from base.plan import ContinuingSequence, KVLayout, NewSequence, Plan, SamplingParams, WorkerInfo
 from control_plane.beam_search import BeamSearch
 from control_plane.block_hash import extra_keys as make_extra_keys
@@ -47,6 +48,8 @@ from control_plane.scheduler_queries import SchedulerQueries
 from control_plane.scheduler_update import SchedulerUpdate
 from control_plane.speculation import DRAFT_SLOT, Speculator
 from control_plane.stats import AllocationRate
+
+log = get_logger("pagedkv.scheduler")
 
 
 class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
@@ -84,6 +87,9 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         self._orphan_outputs: list[RequestOutput] = []  # produced by schedule(), returned by update()
         # Speculative decoding needs the paged layout: rollback cuts table entries.
         self.speculator = Speculator(config.speculative) if config.speculative.method and paged else None
+        if config.speculative.method == "draft" and not worker_info.draft_model:
+            self.speculator = None  # (`serve` refuses this pairing at start; a lone control logs it)
+            log.warning("speculation.off", reason="--speculative draft, but the worker has no --draft-model")
 
     # -- admission ----------------------------------------------------------------------
     def add_request(

@@ -112,6 +112,7 @@ class SimWorker:
             device="sim",
             instance_id=f"sim-{time.monotonic_ns()}",
             eos_token_ids=eos_token_ids,
+            draft_model="sim-draft",  # ContinuingSequence.num_draft_tokens: see _draft
         )
         self.slots = array("i", [-1]) * (num_blocks * block_size)
         self.tables: dict[int, list[int]] = {}

@@ -80,6 +80,7 @@ def worker_config_from_args(args):
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
         cpu_kernels=args.cpu_kernels,
         lm_head_int8=args.lm_head_int8,
+        draft_model=args.draft_model,
     )
     config.validate()
     return config

@@ -39,7 +39,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedkv.cli_flags import CONTROL_LIMIT_FLAGS, SPECULATIVE_FLAGS, own_tls_server_name
+from pagedkv.cli_flags import (
+    CONTROL_LIMIT_FLAGS,
+    SPECULATIVE_FLAGS,
+    check_speculative_pairing,
+    own_tls_server_name,
+)
 from pagedkv.supervisor import Backoff, Supervisor, describe_exit
 
 START_TIMEOUT_S = 600.0  # first start may build the default model's weights
@@ -58,13 +63,14 @@ def _flags(args, names: list[str]) -> list[str]:
 
 
 def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
+    check_speculative_pairing(args)
     sock = f"unix://{tmpdir}/worker.sock"
     ready = tmpdir / "control.json"
     base = [sys.executable, "-m", "pagedkv.cli"]
     logging_flags = ["--log-format", args.log_format, "--log-level", args.log_level]
     worker = [*base, "worker", "--listen", sock, *logging_flags]
     worker_flags = ["model", "device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "kv_layout"]
-    worker_flags += ["kv_cache_dtype"]
+    worker_flags += ["kv_cache_dtype", "draft_model"]
     worker_flags += ["max_model_len", "no_cuda_graph", "cpu_kernels", "lm_head_int8", "shutdown_grace"]
     worker += _flags(args, worker_flags)
     # Every decode batch the control plane can form then fits a captured graph.

@@ -37,9 +37,14 @@ def truncate_checkpoint(src: Path, dst: Path, num_layers: int) -> Path:
             config[key] = config[key][:num_layers]
     (dst / "config.json").write_text(json.dumps(config))
     for path in src.iterdir():
-        if path.is_file() and path.suffix != ".safetensors" and path.name not in (
-            "config.json",
-            "model.safetensors.index.json",
+        if (
+            path.is_file()
+            and path.suffix != ".safetensors"
+            and path.name
+            not in (
+                "config.json",
+                "model.safetensors.index.json",
+            )
         ):
             shutil.copy(path, dst / path.name)
     return dst

@@ -91,7 +91,9 @@ class DraftModel:
             if not live:
                 break
             rows = [work.rows[first[seq_id] + i] for seq_id, _ in live]
-            for (_, s), token in zip(live, self._choose(logits, rows, [seq_id for seq_id, _ in live]), strict=True):
+            for (_, s), token in zip(
+                live, self._choose(logits, rows, [seq_id for seq_id, _ in live]), strict=True
+            ):
                 s.token_ids[1 + i] = token
             live = [(seq_id, s) for seq_id, s in live if len(s.token_ids) > i + 2]
             if not live:
@@ -153,7 +155,6 @@ def _first_rows(sampled_ids: list[int]) -> dict[int, int]:
     return first
 
 
-
 def load_draft(worker, draft_dir: str) -> tuple[object, object, KVCacheSpec]:
     """The draft's weights, config and KV spec, checked against the target `worker` (its model,
     dtype, device and settings resolved). Refusals name what to change."""
@@ -191,7 +192,10 @@ def build_draft(worker, model, config, spec: KVCacheSpec) -> DraftModel:
     target's (fused when the target's is and the draft can run it)."""
     kv_cache = PagedKVCache(spec, worker.kv_cache.reported_num_blocks, worker.backend, worker.device)
     fast = None
-    if worker.fast_forward is not None and fast_forward_unavailable(model, worker.device, worker.dtype) is None:
+    if (
+        worker.fast_forward is not None
+        and fast_forward_unavailable(model, worker.device, worker.dtype) is None
+    ):
         fast = FastCpuForward(model)
     elif model.quantized:
         model.materialize_quantized(worker.dtype, worker.device)

@@ -77,7 +77,9 @@ def test_config_is_validated():
         SpeculativeConfig(method="ngram", prompt_lookup_min=3, prompt_lookup_max=2).validate()
 
 
-def _spec(k: int = 3, lo: int = 1, hi: int = 3, max_batch: int = 8, method: str = "ngram") -> SpeculativeConfig:
+def _spec(
+    k: int = 3, lo: int = 1, hi: int = 3, max_batch: int = 8, method: str = "ngram"
+) -> SpeculativeConfig:
     return SpeculativeConfig(method, k, lo, hi, max_batch)
 
 

@@ -86,7 +86,9 @@ def test_greedy_tokens_with_a_draft_equal_plain_decoding(models, kernels):
     reqs = greedy_workload()
     baseline, _ = run(make_worker(target, block_size=4, num_blocks=256, cpu_kernels=kernels), reqs, None)
     for in_flight, k in ((1, 3), (2, 4), (1, 1)):
-        worker = make_worker(target, block_size=4, num_blocks=256, cpu_kernels=kernels, draft_model=str(draft))
+        worker = make_worker(
+            target, block_size=4, num_blocks=256, cpu_kernels=kernels, draft_model=str(draft)
+        )
         got, engine = run(worker, reqs, draft_config(k), in_flight)
         assert got == baseline, (in_flight, k)
         stats = stats_of(engine)
@@ -137,7 +139,11 @@ def test_seeded_sampled_requests_reproduce_with_a_draft(models):
     """Sampled draft verifies (the rejection rule with q): a seeded request gets the same
     tokens run to run, whatever else runs beside it."""
     target, draft = models
-    seeded = ("s", [3, 9, 27, 81] * 3, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=11))
+    seeded = (
+        "s",
+        [3, 9, 27, 81] * 3,
+        SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=11),
+    )
     other = ("o", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
     outs = []
     for reqs in ([seeded], [seeded], [other, seeded]):
@@ -180,7 +186,9 @@ def test_sampled_acceptance_with_a_real_q_has_the_target_distribution():
     instead of 0.5 (non-centrality > 600: detected with probability ~1); a point-mass rule
     (accept iff a draw from p equals d) gives an acceptance rate of E_q[p0(d)] = 0.25 instead
     of 0.75, outside the +-0.015 band (> 5 binomial sigmas)."""
-    p = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    p = torch.tensor(
+        [[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64
+    )
     q = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.4, 0.3, 0.2, 0.1]], dtype=torch.float64)
     params = SamplingParams(temperature=1.0)
     rows = [SamplingRow(params, 0, 10 + i) for i in range(3)]
@@ -242,7 +250,10 @@ def test_the_kv_budget_is_split_between_the_pools_and_reported(models):
     info = both.describe()
     assert info.num_blocks == memory // (per_target + per_draft) < plain.describe().num_blocks
     assert both.draft.kv_cache.reported_num_blocks == info.num_blocks
-    assert info.draft_model.endswith(f"(1 layers, {per_draft} bytes/block)") and plain.describe().draft_model == ""
+    assert (
+        info.draft_model.endswith(f"(1 layers, {per_draft} bytes/block)")
+        and plain.describe().draft_model == ""
+    )
 
 
 def test_block_copies_copy_the_draft_pool_too(models):
