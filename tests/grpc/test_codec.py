@@ -91,6 +91,7 @@ cont_seq = st.builds(
     u32,
     next_token=st.none() | u32,
     num_speculative_tokens=u32,
+    num_draft_tokens=u32,
 )
 
 
