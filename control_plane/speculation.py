@@ -25,6 +25,12 @@ the strict loop, trading one round trip per step for up to k extra tokens. A dec
 the known tokens finds a match, in which case it sits out one plan to speculate with every
 token known (`decide`).
 
+Draft-model proposals (`--speculative draft`): the worker's draft model proposes, so the plan
+asks for k draft tokens (ContinuingSequence.num_draft_tokens) after the one known input instead
+of sending proposals; slots, rollback, overlap and back-off are the n-gram ones (worker side:
+worker/draft_model.py). `decide` returns k DRAFT_SLOTs, or sits a plan out while a decode of the
+sequence is in flight (the draft proposes from every known token).
+
 Backing off: a verify that accepts nothing makes the sequence skip the lookup for 2, 4, .. 32
 decodes (reset by any acceptance), so a stream whose output does not repeat its context pays
 for a failed verify rarely; a lookup that finds nothing skips the next two, so a stream does

@@ -324,6 +324,40 @@ def test_serve_forwards_the_speculative_flags_to_the_control_plane(tmp_path):
     assert scheduler_config_from_args(p.parse_args(["control"])).speculative.method == ""
 
 
+def test_serve_pairs_speculative_draft_with_the_workers_draft_model(tmp_path):
+    from pagedkv.cli import build_parser
+    from pagedkv.processes import scheduler_config_from_args, worker_config_from_args
+    from pagedkv.serve import child_commands
+
+    p = build_parser()
+    args = p.parse_args(
+        "serve --speculative draft --draft-model /models/small --num-speculative-tokens 4".split()
+    )
+    worker, control, _ = child_commands(args, tmp_path)
+    assert (
+        worker_config_from_args(p.parse_args(worker[worker.index("worker") :])).draft_model == "/models/small"
+    )
+    config = scheduler_config_from_args(p.parse_args(control[control.index("control") :]))
+    assert (config.speculative.method, config.speculative.num_speculative_tokens) == ("draft", 4)
+    with pytest.raises(ValueError, match="needs --draft-model"):
+        child_commands(p.parse_args("serve --speculative draft".split()), tmp_path)
+    with pytest.raises(ValueError, match="--speculative draft only"):
+        child_commands(p.parse_args("serve --speculative ngram --draft-model /m".split()), tmp_path)
+
+
+def test_a_worker_without_a_draft_model_turns_draft_speculation_off():
+    from dataclasses import replace
+
+    from control_plane.scheduler import Scheduler
+    from control_plane.scheduler_config import SchedulerConfig
+    from control_plane.sim_worker import SimWorker
+
+    info = SimWorker().describe()
+    config = SchedulerConfig(speculative=_spec(method="draft"))
+    assert Scheduler(config, info).speculator is not None
+    assert Scheduler(config, replace(info, draft_model="")).speculator is None
+
+
 def test_pagedkv_stats_shows_the_speculation_counters():
     from base.v1 import engine_pb2
     from pagedkv.commands import stats_rows
