@@ -236,6 +236,8 @@ def _forward_line(facts) -> str:
     )
     if facts.forward_fallback_reason:
         line += f" (fallback: {facts.forward_fallback_reason})"
+    if facts.draft_model:  # its pool has as many blocks again, outside the MiB above
+        line += f"; draft model {facts.draft_model}, a pool of the same {facts.num_blocks} blocks"
     return line
 
 

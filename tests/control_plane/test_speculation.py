@@ -339,6 +339,10 @@ def test_serve_pairs_speculative_draft_with_the_workers_draft_model(tmp_path):
     )
     config = scheduler_config_from_args(p.parse_args(control[control.index("control") :]))
     assert (config.speculative.method, config.speculative.num_speculative_tokens) == ("draft", 4)
+    from control_plane.sim_worker import SimWorker
+    from pagedkv.serve import _forward_line
+
+    assert "draft model sim-draft, a pool of the same 64 blocks" in _forward_line(SimWorker().describe())
     with pytest.raises(ValueError, match="needs --draft-model"):
         child_commands(p.parse_args("serve --speculative draft".split()), tmp_path)
     with pytest.raises(ValueError, match="--speculative draft only"):
