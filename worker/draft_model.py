@@ -55,7 +55,7 @@ class DraftModel:
         self.fast_forward = fast_forward  # worker.cpu_forward.FastCpuForward, or None: the reference
         self.eos = eos_token_ids
         self.uniforms = Uniforms(seed)
-        self._q: dict[int, list[Tensor | None]] = {}  # seq id -> q_i of sampled rows, this step
+        self._q: dict[int, list[Tensor]] = {}  # seq id -> q_1 .. q_k of a sampled verify, this step
 
     def forward(self, seqs: list[ScheduledSequence]) -> Tensor:
         """Writes the draft K/V of every input of `seqs`; returns the logits of their sampling
