@@ -267,3 +267,29 @@ def test_block_copies_copy_the_draft_pool_too(models):
     for layer in range(len(pool.k_caches)):
         assert torch.equal(pool.k_caches[layer][3], pool.k_caches[layer][2])
         assert torch.equal(pool.v_caches[layer][3], pool.v_caches[layer][2])
+
+
+def test_sampled_draft_tokens_carry_the_targets_logprobs(models):
+    """A sampled draft verify replaces its rows' tokens by the rule's outcome; each returned
+    token's logprob must be the target's at that position for that token (checked against
+    the plain target's prompt logprobs of prompt + output, fp32)."""
+    target, draft = models
+    prompt = [3, 9, 27, 81] * 3
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=4, logprobs=True)
+    worker = make_worker(target, block_size=4, num_blocks=128, draft_model=str(draft))
+    engine = EngineCore(worker, SchedulerConfig(speculative=draft_config(3)), check_invariants=True)
+    engine.add_request("s", prompt, sampling)
+    tokens, logprobs = [], []
+    while engine.has_work():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+            logprobs.extend(out.logprobs or [])
+    assert stats_of(engine).num_verifies > 0 and len(logprobs) == len(tokens) == 24
+    check = EngineCore(make_worker(target, block_size=4, num_blocks=128), SchedulerConfig())
+    check.add_request("c", prompt + tokens, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    want = None
+    while check.has_work():
+        for out in check.step():
+            want = out.prompt_logprobs or want
+    expected = [entry.logprob for entry in want[len(prompt) :]]
+    assert expected == pytest.approx(logprobs, abs=1e-4)
