@@ -235,6 +235,12 @@ def test_worker_without_a_draft_refuses_draft_tokens_and_bad_drafts_refuse_to_st
     _, llama = checkpoint("llama-gqa-derived-head-dim")
     with pytest.raises(WorkerConfigError, match="contiguous|paged"):
         make_worker(target, block_size=4, num_blocks=64, draft_model=str(draft), kv_layout="contiguous")
+    from types import SimpleNamespace
+
+    from worker.draft_model import load_draft
+
+    with pytest.raises(WorkerConfigError, match="CPU worker only"):  # checked before anything loads
+        load_draft(SimpleNamespace(device=torch.device("cuda")), str(draft))
     assert llama  # same vocabulary: accepted as a draft (a different family is fine)
     make_worker(target, block_size=4, num_blocks=64, draft_model=str(llama))
 
