@@ -57,7 +57,7 @@ MODEL = "random:qwen3-small-fp32"
 PREFIX_TOKENS = 256
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4)
 DRAFT = SpeculativeConfig("draft", num_speculative_tokens=3)
-DRAFT_RESIDUAL_SCALE = 0.05
+DRAFT_RESIDUAL_SCALE = 0.02
 DRAFT_LAYERS = 1
 
 
