@@ -221,7 +221,7 @@ def decode_plan(m: pb.Plan) -> Plan:
                 s.num_candidates,
                 s.next_token if s.HasField("next_token") else None,
                 s.num_speculative_tokens,
-                s.num_draft_tokens,
+                num_draft_tokens=s.num_draft_tokens,
             )
             for s in m.continuing
         ],

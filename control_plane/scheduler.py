@@ -380,8 +380,8 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
                     feed,
                     candidates,
                     _next_prompt_token(seq, start + len(tokens)),
-                    0 if drafted else num_spec,
-                    num_spec if drafted else 0,
+                    num_speculative_tokens=0 if drafted else num_spec,
+                    num_draft_tokens=num_spec if drafted else 0,
                 )  # fmt: skip
             )
         seq.num_synced_blocks = len(table)
