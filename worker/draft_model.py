@@ -176,6 +176,11 @@ def load_draft(worker, draft_dir: str) -> tuple[object, object, KVCacheSpec]:
         )
     if config.multimodal or target.multimodal:
         raise WorkerConfigError("--draft-model serves text models only")
+    if target.layer_windows or config.layer_windows:
+        raise WorkerConfigError(
+            "--draft-model with a sliding-window model: blocks behind the target's window are "
+            "released while the draft may still attend to them (its pool shares the block ids)"
+        )
     model = CausalLM.from_checkpoint(path, config, worker.dtype, worker.device)
     spec = KVCacheSpec(
         num_layers=config.num_layers,

@@ -241,6 +241,16 @@ def test_worker_without_a_draft_refuses_draft_tokens_and_bad_drafts_refuse_to_st
 
     with pytest.raises(WorkerConfigError, match="CPU worker only"):  # checked before anything loads
         load_draft(SimpleNamespace(device=torch.device("cuda")), str(draft))
+    from tests.worker.test_sliding_window import WINDOWED
+    from tests.worker.worker_test_utils import build_checkpoint
+
+    mistral = target.parent / "windowed-mistral"
+    if not (mistral / "config.json").is_file():
+        build_checkpoint(mistral, WINDOWED["mistral"])
+    with pytest.raises(WorkerConfigError, match="sliding-window"):
+        make_worker(target, block_size=4, num_blocks=64, draft_model=str(mistral))
+    with pytest.raises(WorkerConfigError, match="sliding-window"):
+        make_worker(mistral, block_size=4, num_blocks=64, draft_model=str(target))
     assert llama  # same vocabulary: accepted as a draft (a different family is fine)
     make_worker(target, block_size=4, num_blocks=64, draft_model=str(llama))
 
