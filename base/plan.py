@@ -93,6 +93,7 @@ class NewSequence:
     images: list[PlanImage] = field(default_factory=list)
     feed_last_sample: ClassVar[bool] = False  # a new sequence has no sample to feed
     num_speculative_tokens: ClassVar[int] = 0  # only a mirrored sequence speculates
+    num_draft_tokens: ClassVar[int] = 0
 
     @property
     def num_inputs(self) -> int:
@@ -126,10 +127,14 @@ class ContinuingSequence:
     # lie wholly before start_pos's window: num_released_blocks * block_size
     # <= start_pos - sliding_window + 1.
     num_released_blocks: int = 0
+    # Draft-model speculation: the worker's draft proposes this many tokens after the one
+    # input and verifies them like num_speculative_tokens proposals (they count as inputs:
+    # the step computes 1 + k positions). See worker.proto ContinuingSequence.num_draft_tokens.
+    num_draft_tokens: int = 0
 
     @property
     def num_inputs(self) -> int:
-        return len(self.token_ids) + self.feed_last_sample
+        return len(self.token_ids) + self.feed_last_sample + self.num_draft_tokens
 
 
 @dataclass(slots=True)
@@ -251,6 +256,9 @@ class ModelFacts:
     # Sliding window (issue 31): every layer attends to only the last this many positions, so the
     # control plane releases blocks wholly before it; 0 when some layer sees the whole context.
     sliding_window: int = 0
+    # Draft-model speculation: e.g. "tiny-draft (1 layers, 2048 bytes/block)"; "" = none. Its pool
+    # shares the target's block ids, so num_blocks counts blocks that fit both pools.
+    draft_model: str = ""
 
     @property
     def accepts_images(self) -> bool:

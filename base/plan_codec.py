@@ -173,6 +173,8 @@ def encode_plan(plan: Plan, expected_instance_id: str = "") -> pb.Plan:
             c.num_speculative_tokens = s.num_speculative_tokens
         if s.num_released_blocks:
             c.num_released_blocks = s.num_released_blocks
+        if s.num_draft_tokens:
+            c.num_draft_tokens = s.num_draft_tokens
     if plan.copies:
         m.copies.extend([_PbCopy(src=a, dst=b) for a, b in plan.copies])
     if plan.finished:
@@ -225,6 +227,7 @@ def decode_plan(m: pb.Plan) -> Plan:
                 s.next_token if s.HasField("next_token") else None,
                 s.num_speculative_tokens,
                 s.num_released_blocks,
+                num_draft_tokens=s.num_draft_tokens,
             )
             for s in m.continuing
         ],

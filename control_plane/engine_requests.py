@@ -13,6 +13,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 
 from base.logs import get_logger
 from base.plan import SamplingParams
@@ -182,13 +183,14 @@ class EngineRequests:
             outputs = held + outputs
         batches: dict[int, list[Chunk]] = {}
         for out in outputs:
-            self.num_generation_tokens += len(out.new_token_ids)
             stream = self._streams.get(out.arrival)
             if stream is None:
+                self.num_generation_tokens += len(out.new_token_ids)
                 continue  # the client already went away
-            chunk, stop_matched = stream.to_chunk(out)
-            if stop_matched:
-                self._finish_on_stop(out, chunk)
+            chunk, dropped = stream.to_chunk(out)
+            self.num_generation_tokens += len(chunk.token_ids)
+            if dropped is not None:
+                self._finish_on_stop(out, chunk, dropped)
             batches.setdefault(out.arrival, []).append(chunk)
         for arrival, chunks in batches.items():
             stream = self._streams[arrival]
@@ -199,12 +201,16 @@ class EngineRequests:
                 del self._streams[arrival]
                 self._log_finished(stream, chunks)
 
-    def _finish_on_stop(self, out: RequestOutput, chunk: Chunk) -> None:
+    def _finish_on_stop(self, out: RequestOutput, chunk: Chunk, dropped: int) -> None:
+        """A stop string matched; the output's last `dropped` tokens came after it (a
+        speculative verify's run): the sample ends without them, and its usage excludes them."""
         if out.finish_reason is None:
-            ended = self.scheduler.finish_sample(out.request_id, out.index, FinishReason.STOP)
+            ended = self.scheduler.finish_sample(out.request_id, out.index, FinishReason.STOP, dropped)
             if ended is not None:
                 chunk.usage = ended.usage
             self._work.set()
+        elif dropped and chunk.usage is not None:  # it ended in the same step (a stop id, length)
+            chunk.usage = replace(chunk.usage, completion_tokens=chunk.usage.completion_tokens - dropped)
         chunk.finish_reason = FinishReason.STOP
 
     def _log_finished(self, stream: RequestStream, chunks: list[Chunk]) -> None:

@@ -84,9 +84,23 @@ class _SampleText:
         self._pending = ""
         self._min_tokens, self._count = min_tokens, 0
 
-    def feed(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Returns (text to emit now, whether a stop string matched). Text of the first
-        min_tokens tokens is never matched: a sample cannot stop before them."""
+    def feed(self, token_ids: list[int]) -> tuple[str, int | None]:
+        """Returns (text to emit now, None or -- a stop string matched -- how many of
+        `token_ids` it took to complete it: the rest are dropped, never streamed or counted).
+        Several tokens at once (a speculative verify's accepted run) are matched one by one.
+        Text of the first min_tokens tokens is never matched: a sample cannot stop before them."""
+        if len(token_ids) > 1 and self._stops:
+            text = ""
+            for i, token in enumerate(token_ids):
+                new, matched = self._feed_one([token])
+                text += new
+                if matched:
+                    return text, i + 1
+            return text, None
+        text, matched = self._feed_one(token_ids)
+        return text, len(token_ids) if matched else None
+
+    def _feed_one(self, token_ids: list[int]) -> tuple[str, bool]:
         self._count += len(token_ids)
         new = self._detok.add(token_ids) if token_ids else ""
         if self._count <= self._min_tokens:
@@ -140,28 +154,32 @@ class RequestStream:
         self._last_token_at: list[float | None] = [None] * n  # per sample, for inter-token gaps
         self.num_tokens = 0
 
-    def to_chunk(self, out: RequestOutput) -> tuple[Chunk, bool]:
-        """Decode one output. Returns (chunk, stop string matched: the engine must end the sample)."""
-        text, matched = "", False
+    def to_chunk(self, out: RequestOutput) -> tuple[Chunk, int | None]:
+        """Decode one output. Returns (chunk, None or -- a stop string matched: the engine must
+        end the sample -- how many of the output's tokens came after the stop: the chunk's
+        token ids and logprobs are cut before them; the sample's usage must not count them)."""
+        text, kept = "", None
         if self._texts is not None:
             sample = self._texts[out.index]
-            text, matched = sample.feed(out.new_token_ids)
-            if out.finish_reason is not None and not matched:
+            text, kept = sample.feed(out.new_token_ids)
+            if out.finish_reason is not None and kept is None:
                 rest, matched = sample.flush()
                 text += rest
+                kept = len(out.new_token_ids) if matched else None
+        n = len(out.new_token_ids) if kept is None else kept
         chunk = Chunk(
             out.index,
-            out.new_token_ids,
+            out.new_token_ids[:n],
             text,
             out.finish_reason,
             out.usage,
-            out.logprobs,
+            None if out.logprobs is None else out.logprobs[:n],
             out.cumulative_logprob,
             out.beam_score,
-            out.top_logprobs,
+            None if out.top_logprobs is None else out.top_logprobs[:n],
             out.prompt_logprobs,
         )
-        return chunk, matched
+        return chunk, None if kept is None else len(out.new_token_ids) - kept
 
     def push(self, chunks: list[Chunk]) -> TokenTimings:
         """Queue one step's chunks for the client; returns the latencies they complete.

@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 
+from base.logs import get_logger
 from base.plan import ContinuingSequence, KVLayout, NewSequence, Plan, SamplingParams, WorkerInfo
 from control_plane.beam_search import BeamSearch
 from control_plane.block_hash import extra_keys as make_extra_keys
@@ -45,8 +46,10 @@ from control_plane.scheduler_beams import SchedulerBeams, to_compute
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.scheduler_queries import SchedulerQueries
 from control_plane.scheduler_update import SchedulerUpdate
-from control_plane.speculation import Speculator
+from control_plane.speculation import DRAFT_SLOT, Speculator
 from control_plane.stats import AllocationRate
+
+log = get_logger("pagedkv.scheduler")
 
 
 class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
@@ -85,6 +88,9 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         self._orphan_outputs: list[RequestOutput] = []  # produced by schedule(), returned by update()
         # Speculative decoding needs the paged layout: rollback cuts table entries.
         self.speculator = Speculator(config.speculative) if config.speculative.method and paged else None
+        if config.speculative.method == "draft" and not worker_info.draft_model:
+            self.speculator = None  # (`serve` refuses this pairing at start; a lone control logs it)
+            log.warning("speculation.off", reason="--speculative draft, but the worker has no --draft-model")
 
     # -- admission ----------------------------------------------------------------------
     def add_request(
@@ -318,11 +324,14 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         start = seq.num_computed_tokens
         feed = start >= seq.num_tokens  # its input is the newest pending sample (overlap)
         num_spec = len(proposals)
+        drafted = False
         tokens = [] if feed else seq.token_ids[start : start + num_new - num_spec]
         if num_spec:
             if feed or not seq.synced:
                 raise AssertionError(f"sequence {seq.seq_id}: speculating without its input token known")
-            tokens.extend(proposals)
+            drafted = proposals[0] == DRAFT_SLOT  # the worker's draft fills them
+            if not drafted:
+                tokens.extend(proposals)
             seq.spec_in_flight = num_spec
         seq.num_computed_tokens = start + num_new
         sample = num_spec > 0 or seq.num_computed_tokens == seq.num_tokens + seq.num_pending
@@ -372,8 +381,9 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
                     feed,
                     candidates,
                     _next_prompt_token(seq, start + len(tokens)),
-                    num_spec,
-                    self.kv.num_released.get(seq.seq_id, 0),
+                    num_speculative_tokens=0 if drafted else num_spec,
+                    num_draft_tokens=num_spec if drafted else 0,
+                    num_released_blocks=self.kv.num_released.get(seq.seq_id, 0),
                 )  # fmt: skip
             )
         seq.num_synced_blocks = len(table)

@@ -243,8 +243,12 @@ class SchedulerUpdate:
         self.running = [s for s in self.running if s.status == SeqStatus.RUNNING]
         return outputs
 
-    def finish_sample(self, request_id: str, index: int, reason: FinishReason) -> RequestOutput | None:
-        """End one sample (e.g. a stop string matched by the engine). None if already ended."""
+    def finish_sample(
+        self, request_id: str, index: int, reason: FinishReason, drop: int = 0
+    ) -> RequestOutput | None:
+        """End one sample (e.g. a stop string matched by the engine). None if already ended.
+        `drop`: its last this many tokens came after the stop string (the rest of a speculative
+        verify's accepted run); they leave its output, so usage counts up to the stop only."""
         req = self._get(request_id)
         if req.beam is not None or not 0 <= index < len(req.sequences):
             return None  # (beam search takes no stop strings: nothing to end per index)
@@ -252,6 +256,8 @@ class SchedulerUpdate:
         if seq.status == SeqStatus.FINISHED:
             return None
         self._finish(seq, reason)
+        if drop:  # (after its blocks were freed: a finished sequence's tokens are only counted)
+            del seq.token_ids[len(seq.token_ids) - min(drop, seq.num_output_tokens) :]
         self.running = [s for s in self.running if s.status == SeqStatus.RUNNING]
         return self._output(seq, [])
 

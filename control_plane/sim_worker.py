@@ -121,6 +121,7 @@ class SimWorker:
             instance_id=f"sim-{time.monotonic_ns()}",
             eos_token_ids=eos_token_ids,
             sliding_window=window,
+            draft_model="sim-draft",  # ContinuingSequence.num_draft_tokens: see _draft
         )
         self.slots = array("i", [-1]) * (num_blocks * block_size)
         self.tables: dict[int, list[int]] = {}
@@ -178,8 +179,8 @@ class SimWorker:
                 toks, logprobs = sim_candidates(context, s.num_candidates, vocab)
                 outputs.append(SeqOutput(s.seq_id, toks, logprobs))
                 continue
-            if s.num_speculative_tokens:
-                toks = self._verify(s, base)
+            if s.num_speculative_tokens or s.num_draft_tokens:
+                toks = self._verify(s, token_ids, base)
                 self.last_sample[s.seq_id] = toks[-1]
                 outputs.append(SeqOutput(s.seq_id, toks, None))
                 continue
@@ -190,14 +191,14 @@ class SimWorker:
         elapsed = time.perf_counter() - started if items else 0.0
         return StepResult(plan.step_id, outputs, forward_seconds=elapsed)
 
-    def _verify(self, s, sample_index: int) -> list[int]:
+    def _verify(self, s, token_ids: list[int], sample_index: int) -> list[int]:
         """A speculative verify, greedy (base/plan.py): the next token after each input, read
         back through the table; proposals kept while they agree, the rest rolled back."""
-        proposals = s.token_ids[-s.num_speculative_tokens :]
+        proposals = token_ids[1:]
         vocab = self._info.vocab_size
         toks = []
         for i in range(len(proposals) + 1):
-            context = self._read(s.seq_id, s.start_pos + 1 + i) if self.verify else s.token_ids[: 1 + i]
+            context = self._read(s.seq_id, s.start_pos + 1 + i) if self.verify else token_ids[: 1 + i]
             toks.append(sim_next_token(context, sample_index, vocab))
             if i == len(proposals) or toks[i] != proposals[i]:
                 break
@@ -212,7 +213,24 @@ class SimWorker:
             if last is None:
                 raise ValueError(f"sequence {s.seq_id} feeds a last sample it does not have")
             return [last]
+        if s.num_draft_tokens:
+            return self._draft(s)
         return s.token_ids
+
+    def _draft(self, s) -> list[int]:
+        """A draft model's stand-in (ContinuingSequence.num_draft_tokens): the input and k
+        proposals, each the true next token except where a hash of its context says it errs
+        (about one in three), so verifies accept some proposals and reject others."""
+        context = (self._read(s.seq_id, s.start_pos) if self.verify else []) + list(s.token_ids)
+        out = list(s.token_ids)
+        vocab = self._info.vocab_size
+        for _ in range(s.num_draft_tokens):
+            token = sim_next_token(context, self.sample_index[s.seq_id], vocab)
+            if sim_next_token(context, 1 << 30, 3) == 0:
+                token = (token + 1) % vocab
+            out.append(token)
+            context.append(token)
+        return out
 
     def _write(self, seq_id: int, start: int, tokens: list[int]) -> None:
         table, bs = self.tables[seq_id], self.block_size

@@ -25,6 +25,12 @@ the strict loop, trading one round trip per step for up to k extra tokens. A dec
 the known tokens finds a match, in which case it sits out one plan to speculate with every
 token known (`decide`).
 
+Draft-model proposals (`--speculative draft`): the worker's draft model proposes, so the plan
+asks for k draft tokens (ContinuingSequence.num_draft_tokens) after the one known input instead
+of sending proposals; slots, rollback, overlap and back-off are the n-gram ones (worker side:
+worker/draft_model.py). `decide` returns k DRAFT_SLOTs, or sits a plan out while a decode of the
+sequence is in flight (the draft proposes from every known token).
+
 Backing off: a verify that accepts nothing makes the sequence skip the lookup for 2, 4, .. 32
 decodes (reset by any acceptance), so a stream whose output does not repeat its context pays
 for a failed verify rarely; a lookup that finds nothing skips the next two, so a stream does
@@ -36,13 +42,17 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-METHODS = ("", "ngram")  # "" = off
+METHODS = ("", "ngram", "draft")  # "" = off
 MAX_BACKOFF = 32
+# A proposal slot the worker's draft model fills (`--speculative draft`): `decide` returns k of
+# them and the plan asks for k draft tokens (ContinuingSequence.num_draft_tokens) instead of
+# sending proposals. The control plane never learns the proposals, only the accepted tokens.
+DRAFT_SLOT = -1
 
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    method: str = ""  # "" (off) | "ngram"
+    method: str = ""  # "" (off) | "ngram" | "draft" (the worker's --draft-model proposes)
     num_speculative_tokens: int = 3  # k: proposals per verify step at most
     prompt_lookup_min: int = 2  # shortest suffix matched
     prompt_lookup_max: int = 4  # longest suffix matched (tried first)
@@ -175,6 +185,9 @@ class Speculator:
         k = min(cfg.num_speculative_tokens, max_new, left_by_length - 1 - seq.num_pending)
         if k < 1:
             return []
+        if cfg.method == "draft":
+            # The draft proposes from every known token: with a decode in flight, wait for it.
+            return None if seq.num_pending else [DRAFT_SLOT] * k
         proposals = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         if seq.num_pending:
             # A decode is in flight: a match on the known tokens says waiting for its token

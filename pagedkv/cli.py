@@ -129,6 +129,12 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
         "kernels or fail to start, or the plain torch reference (the oracle)",
     )
     p.add_argument(
+        "--draft-model",
+        metavar="DIR",
+        help="draft model for --speculative draft: a smaller checkpoint with the same vocabulary (or "
+        "random:<preset>), run beside the model on the CPU worker; the KV budget is split between them",
+    )
+    p.add_argument(
         "--lm-head-int8",
         action="store_true",
         help="fused CPU forward: hold the lm_head (or tied embedding) as int8 codes (about half the bytes "

@@ -231,10 +231,11 @@ SPECULATIVE_FLAGS = ("speculative", "num_speculative_tokens", "prompt_lookup_min
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
-        choices=("ngram",),
+        choices=("ngram", "draft"),
         default=None,
         help="speculative decoding: ngram = propose what followed the context's last n tokens earlier "
-        "in prompt + output, verify them in one step (greedy requests; off by default)",
+        "in prompt + output; draft = the worker's --draft-model proposes; verified in one step "
+        "(off by default)",
     )
     p.add_argument(
         "--num-speculative-tokens", type=positive_int, default=3, help="proposals verified per step at most"
@@ -288,3 +289,14 @@ def own_tls_server_name(args) -> str | None:
     if args.tls_server_name:
         return args.tls_server_name
     return "localhost" if args.host in _WILDCARD_HOSTS else None
+
+
+def check_speculative_pairing(args) -> None:
+    """`serve`: --speculative draft and the worker's --draft-model come together."""
+    method, draft = getattr(args, "speculative", None), getattr(args, "draft_model", None)
+    if method == "draft" and not draft:
+        raise ValueError(
+            "--speculative draft needs --draft-model DIR (a smaller model with the same vocabulary)"
+        )
+    if draft and method != "draft":
+        raise ValueError("--draft-model is used by --speculative draft only; add it or drop --draft-model")

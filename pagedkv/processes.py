@@ -83,6 +83,7 @@ def worker_config_from_args(args):
         max_num_batched_tokens=args.max_num_batched_tokens,
         cpu_kernels=args.cpu_kernels,
         lm_head_int8=args.lm_head_int8,
+        draft_model=args.draft_model,
     )
     config.validate()
     return config

@@ -39,7 +39,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedkv.cli_flags import CONTROL_LIMIT_FLAGS, SPECULATIVE_FLAGS, own_tls_server_name
+from pagedkv.cli_flags import (
+    CONTROL_LIMIT_FLAGS,
+    SPECULATIVE_FLAGS,
+    check_speculative_pairing,
+    own_tls_server_name,
+)
 from pagedkv.supervisor import Backoff, Supervisor, describe_exit
 
 START_TIMEOUT_S = 600.0  # first start may build the default model's weights
@@ -58,6 +63,7 @@ def _flags(args, names: list[str]) -> list[str]:
 
 
 def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
+    check_speculative_pairing(args)
     sock = f"unix://{tmpdir}/worker.sock"
     ready = tmpdir / "control.json"
     base = [sys.executable, "-m", "pagedkv.cli"]
@@ -65,7 +71,7 @@ def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
     common_flags += ["--event-loop", args.event_loop]
     worker = [*base, "worker", "--listen", sock, *common_flags]
     worker_flags = ["model", "device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "kv_layout"]
-    worker_flags += ["kv_cache_dtype"]
+    worker_flags += ["kv_cache_dtype", "draft_model"]
     worker_flags += ["max_model_len", "cuda_graph", "gpu_memory_utilization", "max_num_batched_tokens"]
     worker_flags += ["cpu_kernels", "lm_head_int8", "shutdown_grace"]
     worker += _flags(args, worker_flags)
@@ -234,6 +240,8 @@ def _forward_line(facts) -> str:
         line += f" (fallback: {facts.forward_fallback_reason})"
     if facts.cuda_graphs:  # CUDA: graphs or eager decode, and why (the start's self-check)
         line += f"; decode CUDA graphs {facts.cuda_graphs} ({facts.cuda_graphs_reason})"
+    if facts.draft_model:  # its pool has as many blocks again, outside the MiB above
+        line += f"; draft model {facts.draft_model}, a pool of the same {facts.num_blocks} blocks"
     return line
 
 

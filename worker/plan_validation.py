@@ -55,6 +55,7 @@ class PlanLimits:
     max_model_len: int
     contiguous: bool = False
     window: int = 0  # every layer's sliding window (0: some layer sees all; nothing is released)
+    draft: bool = False  # a draft model is loaded (ContinuingSequence.num_draft_tokens)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -148,7 +149,7 @@ class _PlanChecker:
         else:
             self.tokens(seq.seq_id, seq.token_ids, seq.start_pos)
         self.samples(seq)
-        if seq.num_speculative_tokens:
+        if seq.num_speculative_tokens or seq.num_draft_tokens:
             self.speculative(seq, mirror)
         if seq.start_pos > mirror.num_computed_tokens:
             raise self.fail(
@@ -178,7 +179,9 @@ class _PlanChecker:
         """A verify step: proposals after >= 1 real input, one greedy sample per input, and
         nothing whose state would have to be rolled back besides positions and table entries."""
         k = seq.num_speculative_tokens
-        if k >= len(seq.token_ids) or seq.feed_last_sample:
+        if seq.num_draft_tokens:
+            self.drafted(seq)
+        elif k >= len(seq.token_ids) or seq.feed_last_sample:
             raise self.fail(
                 f"num_speculative_tokens {k} needs that many proposals after >= 1 known token in "
                 f"token_ids ({len(seq.token_ids)} sent) and no feed_last_sample",
@@ -194,6 +197,20 @@ class _PlanChecker:
         if sampling.structured is not None:
             raise self.fail(
                 "speculative verify cannot run with a grammar (its matcher has no rollback)", seq.seq_id
+            )
+
+    def drafted(self, seq: ContinuingSequence) -> None:
+        """A draft verify: the one known input, proposals left to the worker's draft model."""
+        if not self.limits.draft:
+            raise self.fail(
+                "num_draft_tokens needs a draft model: start the worker with --draft-model DIR",
+                seq.seq_id,
+            )
+        if seq.num_speculative_tokens or len(seq.token_ids) != 1 or seq.feed_last_sample:
+            raise self.fail(
+                f"num_draft_tokens {seq.num_draft_tokens} needs exactly one known token in token_ids "
+                f"({len(seq.token_ids)} sent), no feed_last_sample and no num_speculative_tokens",
+                seq.seq_id,
             )
 
     def fed_sample(self, seq: ContinuingSequence, mirror: SequenceMirror) -> None:

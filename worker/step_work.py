@@ -26,6 +26,10 @@ class StepWork:
     prompt: list[PromptRows]  # flat rows are indices into the step's concatenated tokens
     mirrors: list[SequenceMirror]  # aligned with `scheduled` (vision models read their images)
     proposals: dict[int, list[int]] = field(default_factory=dict)  # speculative verifies: seq id -> p1..pk
+    # Draft verifies (num_draft_tokens = k): seq id -> its scheduled entry, whose token_ids are
+    # [input] + k placeholders the draft model overwrites before the target's forward
+    # (worker/draft_model.py); `proposals` holds the same list's tail once filled.
+    drafts: dict[int, ScheduledSequence] = field(default_factory=dict)
 
 
 def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache, grammars=None) -> StepWork:
@@ -51,11 +55,15 @@ def apply_plan(plan: Plan, mirrors: SequenceMirrors, kv_cache, grammars=None) ->
         mirror.last_sample = None
         if seq.num_speculative_tokens:
             proposals[seq.seq_id] = seq.token_ids[-seq.num_speculative_tokens :]
+        if seq.num_draft_tokens:
+            token_ids = [*token_ids, *[0] * seq.num_draft_tokens]  # the draft fills these
         steps.append(_entry(kv_cache, mirrors, mirror, seq, token_ids, grammars))
     steps.sort(key=lambda step: len(step[0].token_ids) != 1)  # stable: decodes first
     work = StepWork([s[0] for s in steps], [r for s in steps for r in s[1]],
                     [s[2] for s in steps for _ in s[1]], [], [s[3] for s in steps],
                     proposals)  # fmt: skip
+    drafted = {seq.seq_id for seq in plan.continuing if seq.num_draft_tokens}
+    work.drafts = {step[2]: step[0] for step in steps if step[2] in drafted}
     first_row = 0
     for scheduled, _, seq_id, mirror, next_token in steps:
         k = mirror.sampling.prompt_logprobs
@@ -79,7 +87,7 @@ def _entry(kv_cache, mirrors: SequenceMirrors, mirror: SequenceMirror, seq, toke
     if seq.sample:
         # A speculative verify samples after each of its 1 + k inputs (positions of the tokens
         # drawn); everything else after its last input.
-        num_rows = 1 + seq.num_speculative_tokens
+        num_rows = 1 + seq.num_speculative_tokens + seq.num_draft_tokens
         for position in range(
             seq.start_pos + len(token_ids) + 1 - num_rows, seq.start_pos + len(token_ids) + 1
         ):
@@ -96,7 +104,7 @@ def _entry(kv_cache, mirrors: SequenceMirrors, mirror: SequenceMirror, seq, toke
         start_pos=seq.start_pos,
         sample=seq.sample,
         rope_shift=shift,
-        num_logit_rows=1 + seq.num_speculative_tokens,
+        num_logit_rows=1 + seq.num_speculative_tokens + seq.num_draft_tokens,
         table_row=None if mirrors.table is None else mirrors.table.row(seq.seq_id),
     )
     return scheduled, rows, seq.seq_id, mirror, seq.next_token

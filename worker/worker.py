@@ -33,6 +33,7 @@ from worker.block_table import BlockTable
 from worker.cpu_forward import FastCpuForward, fast_forward_unavailable
 from worker.cuda_graph import DecodeGraphRunner
 from worker.cuda_quant import replace_quantized_linears
+from worker.draft_model import build_draft, load_draft
 from worker.errors import WorkerConfigError
 from worker.grammar_matchers import GrammarMatchers
 from worker.graph_check import GraphDecision, graph_facts, prepare_graphs
@@ -97,14 +98,19 @@ class Worker:
             kv_format=kv_format,
         )
         self._prepare_kernels()  # before the memory profile, which runs them
+        draft = load_draft(self, config.draft_model) if config.draft_model else None
+        self._draft_bytes_per_block = 0 if draft is None else draft[2].bytes_per_block
         kv_bytes, self.memory = self.kv_cache_bytes()
+        num_blocks = config.num_blocks
+        if draft is not None and num_blocks is None:  # both pools hold num_blocks blocks
+            num_blocks = kv_bytes // (self.kv_spec.bytes_per_block + self._draft_bytes_per_block)
         self.kv_cache = create_kv_cache(
             self.kv_spec,
             config.layout,
             self.backend,
             self.device,
             self.max_model_len,
-            config.num_blocks,
+            num_blocks,
             kv_bytes,
             self.kv_tensor_scales,
         )
@@ -115,6 +121,7 @@ class Worker:
             max_model_len=self.max_model_len,
             contiguous=config.layout == KVLayout.CONTIGUOUS,
             window=0 if config.layout == KVLayout.CONTIGUOUS else self._window_of_every_layer(),
+            draft=draft is not None,
         )
         # Paged: the persistent block table the kernels read by row (worker/block_table.py).
         table_device = self.device if self.device.type == "cuda" else None
@@ -126,6 +133,7 @@ class Worker:
         self.memory = self._memory_report()
         if self.fast_forward is None and self.model.quantized:  # the reference runs dense linears
             self.model.materialize_quantized(self.dtype, self.device)
+        self.draft = build_draft(self, *draft) if draft is not None else None
         self.mirrors = SequenceMirrors(self.model_config.vocab_size, self.persistent_table)
         lse_topk = None if self.fast_forward is None else self.fast_forward.lse_topk
         self.sampler = Sampler(config.seed, self.model_config.eos_token_ids, lse_topk)
@@ -158,11 +166,15 @@ class Worker:
         if self.vision is not None:
             self.vision.admit(plan.new, self.mirrors)
         self.kv_cache.copy_blocks(plan.copies)
+        if self.draft is not None:  # the draft's table is the target's: its blocks copy alike
+            self.draft.kv_cache.copy_blocks(plan.copies)
         if not work.scheduled:
             return StepResult(step_id=plan.step_id), torch.empty(0, self.model_config.vocab_size)
         started = time.perf_counter()
         prompt_out = []
         with torch.inference_mode():
+            if self.draft is not None:  # the draft's KV of every input, and its proposals
+                self.draft.propose(work)
             if self.decode_graphs is not None and self.decode_graphs.accepts(work.scheduled):
                 logits = self.model.compute_logits(self.decode_graphs.forward(work.scheduled))
             else:
@@ -170,13 +182,18 @@ class Worker:
             grammars = [row.grammar for row in work.rows if row.grammar is not None]
             bitmask = self.grammars.fill(grammars) if grammars else None
             samples = self.sampler.sample(logits, work.rows, bitmask)
+            if work.drafts:
+                samples = self.draft.accept(work, logits, samples)
         mirrors = self.mirrors
+        fully_accepted = []
         outputs = []
         for seq_id, sample, row, kept in sequence_outputs(
             work.sampled_ids, work.rows, samples, work.proposals
         ):
             if kept is not None:  # a speculative verify: positions past the kept tokens roll back
                 mirrors.roll_back(seq_id, kept, self.limits.block_size)
+                if seq_id in work.drafts and len(sample.token_ids) > len(work.proposals[seq_id]):
+                    fully_accepted.append(seq_id)
             mirror = mirrors[seq_id]
             # What a feed_last_sample reads: a fan-out's first sample, a verify's last token.
             mirror.last_sample = sample.token_ids[0 if kept is None else -1]
@@ -185,6 +202,9 @@ class Worker:
             outputs.append(
                 SeqOutput(seq_id, sample.token_ids, sample.logprobs, sample.top_ids, sample.top_logprobs)
             )
+        if fully_accepted:
+            with torch.inference_mode():
+                self.draft.catch_up(work, fully_accepted)
         elapsed = time.perf_counter() - started
         return StepResult(plan.step_id, outputs, elapsed, prompt_out), logits
 
@@ -245,7 +265,8 @@ class Worker:
 
     def _memory_report(self) -> MemoryBreakdown:
         """ModelFacts.memory: the profile's figures (CUDA) or the weights (CPU), and the pool."""
-        pool_bytes = self.kv_cache.reported_num_blocks * self.kv_spec.bytes_per_block
+        per_block = self.kv_spec.bytes_per_block + self._draft_bytes_per_block  # a draft's pool too
+        pool_bytes = self.kv_cache.reported_num_blocks * per_block
         if self.memory is not None:
             return with_kv_bytes(self.memory, pool_bytes)
         fast = self.fast_forward
@@ -371,9 +392,16 @@ class Worker:
             memory=self.memory,
             **graph_facts(self.graph_decision),
             sliding_window=self._window_of_every_layer(),
+            draft_model=self._draft_facts(),
             tokenizer_json=tokenizer_json,
             **self._image_facts(),
         )
+
+    def _draft_facts(self) -> str:
+        if self.draft is None:
+            return ""
+        spec = self.draft.kv_cache.spec
+        return f"{self.draft.name} ({spec.num_layers} layers, {spec.bytes_per_block} bytes/block)"
 
     def _image_facts(self) -> dict[str, int]:
         mm = self.model_config.multimodal

@@ -39,6 +39,10 @@ lm_head_int8     hold a dense lm_head (or a tied embedding) as int8 codes, one s
                  inputs, on the fused CPU forward: ~half of bf16's bytes per decoded token for
                  the largest layer of small models (llama.cpp keeps Q4_0 files' output at Q8_0
                  the same way); logits move by ~1e-3 relative. Off by default.
+draft_model      None, or the draft model of `--speculative draft` (a directory or "random:<preset>",
+                 as `model`): same vocabulary as the target, run on the CPU worker with its own
+                 paged pool of the target's num_blocks (worker/draft_model.py); the KV budget is
+                 split between the two pools by their bytes per block.
 cuda_graph_max_batch_size
                  largest decode batch run through a graph (buckets 1, 2, 4, ... up to it);
                  bigger decode batches and every step with a prefill run eagerly. Match the
@@ -85,6 +89,7 @@ class WorkerConfig:
     cpu_kernels: str = "auto"
     lm_head_int8: bool = False
     kv_cache_dtype: str = "auto"
+    draft_model: str | None = None
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

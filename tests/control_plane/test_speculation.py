@@ -77,8 +77,10 @@ def test_config_is_validated():
         SpeculativeConfig(method="ngram", prompt_lookup_min=3, prompt_lookup_max=2).validate()
 
 
-def _spec(k: int = 3, lo: int = 1, hi: int = 3, max_batch: int = 8) -> SpeculativeConfig:
-    return SpeculativeConfig("ngram", k, lo, hi, max_batch)
+def _spec(
+    k: int = 3, lo: int = 1, hi: int = 3, max_batch: int = 8, method: str = "ngram"
+) -> SpeculativeConfig:
+    return SpeculativeConfig(method, k, lo, hi, max_batch)
 
 
 @pytest.mark.parametrize("accepted", [0, 1, 3])
@@ -108,6 +110,29 @@ def test_rejected_slots_roll_back_and_their_blocks_return_at_once(accepted):
     check_scheduler(s)
     stats = s.speculator.stats
     assert (stats.num_verifies, stats.num_proposed, stats.num_accepted) == (1, 3, accepted)
+
+
+def test_a_draft_verify_asks_the_worker_for_k_proposals_and_reserves_their_slots():
+    """--speculative draft: the plan sends the one known input and num_draft_tokens = k; the
+    slots of all 1 + k positions are allocated, and the result rolls back like an n-gram one."""
+    engine, _ = make_engine(num_blocks=32, block_size=1, vocab=8, speculative=_spec(k=3, method="draft"))
+    s = engine.scheduler
+    s.add_request("r", [5, 6, 7], SamplingParams(max_tokens=10))
+    first = s.schedule()
+    s.update(first, StepResult(first.step_id, [SeqOutput(first.new[0].seq_id, [2])]))
+    seq = s.requests["r"].sequences[0]
+    free_before = s.kv.pool.num_free_blocks
+    plan = s.schedule()
+    (c,) = plan.continuing
+    assert (c.token_ids, c.num_speculative_tokens, c.num_draft_tokens, c.start_pos) == ([2], 0, 3, 3)
+    assert c.num_inputs == 4 and seq.num_computed_tokens == 7
+    assert s.kv.pool.num_free_blocks == free_before - 4
+    check_scheduler(s)
+    (out,) = s.update(plan, StepResult(plan.step_id, [SeqOutput(c.seq_id, [4, 1])]))
+    assert out.new_token_ids == [4, 1] and seq.num_computed_tokens == 5
+    assert s.kv.pool.num_free_blocks == free_before - 2
+    check_scheduler(s)
+    assert (s.speculator.stats.num_proposed, s.speculator.stats.num_accepted) == (3, 1)
 
 
 def test_a_stop_inside_an_accepted_run_drops_the_rest_and_counts_exactly():
@@ -189,11 +214,13 @@ op_st = st.one_of(
     in_flight=st.sampled_from([1, 2, 3]),
     k=st.integers(1, 4),
     ops=st.lists(op_st, min_size=1, max_size=30),
+    method=st.sampled_from(["ngram", "draft"]),
 )
 def test_speculation_gives_the_reference_tokens_and_keeps_invariants(
-    block_size, extra_blocks, budget, in_flight, k, ops
+    block_size, extra_blocks, budget, in_flight, k, ops, method
 ):
-    """Invariants (with rollback's: no block past the computed positions, no cached block
+    """Both proposers (the SimWorker's draft stand-in errs about one proposal in three).
+    Invariants (with rollback's: no block past the computed positions, no cached block
     holding an unaccepted token) after every plan and update (EngineCore checks them)."""
     max_len = 48
     num_blocks = -(-max_len // block_size) + 1 + extra_blocks  # one max-length sequence always fits
@@ -204,7 +231,7 @@ def test_speculation_gives_the_reference_tokens_and_keeps_invariants(
         max_model_len=max_len,
         max_num_batched_tokens=budget,
         max_num_seqs=8,
-        speculative=_spec(k=k, lo=1, hi=3),
+        speculative=_spec(k=k, lo=1, hi=3, method=method),
     )
     engine.plans_in_flight = in_flight
     s = engine.scheduler
@@ -263,13 +290,13 @@ def test_speculation_accepts_and_rejects_on_a_repetitive_workload(in_flight):
     tokens equal the reference, and speculation took fewer steps than plain decoding (one
     stream: the plans its verifies sit out are empty, never sent nor counted)."""
     steps = {}
-    for method in ("", "ngram"):
+    for method in ("", "ngram", "draft"):
         engine, _ = make_engine(
             num_blocks=128,
             block_size=2,
             vocab=VOCAB,
             max_model_len=200,
-            speculative=_spec(k=4, lo=1, hi=4) if method else SpeculativeConfig(),
+            speculative=_spec(k=4, lo=1, hi=4, method=method) if method else SpeculativeConfig(),
         )
         engine.plans_in_flight = in_flight
         prompt = [0, 1, 2, 3] * 4
@@ -281,7 +308,7 @@ def test_speculation_accepts_and_rejects_on_a_repetitive_workload(in_flight):
         if method:
             stats = engine.scheduler.speculator.stats
             assert 0 < stats.num_accepted < stats.num_proposed, stats
-    assert steps["ngram"] < steps[""], steps
+    assert steps["ngram"] < steps[""] and steps["draft"] < steps[""], steps
 
 
 def test_serve_forwards_the_speculative_flags_to_the_control_plane(tmp_path):
@@ -295,6 +322,44 @@ def test_serve_forwards_the_speculative_flags_to_the_control_plane(tmp_path):
     config = scheduler_config_from_args(p.parse_args(control[control.index("control") :]))
     assert config.speculative == SpeculativeConfig("ngram", 5, 2, 6)
     assert scheduler_config_from_args(p.parse_args(["control"])).speculative.method == ""
+
+
+def test_serve_pairs_speculative_draft_with_the_workers_draft_model(tmp_path):
+    from pagedkv.cli import build_parser
+    from pagedkv.processes import scheduler_config_from_args, worker_config_from_args
+    from pagedkv.serve import child_commands
+
+    p = build_parser()
+    args = p.parse_args(
+        "serve --speculative draft --draft-model /models/small --num-speculative-tokens 4".split()
+    )
+    worker, control, _ = child_commands(args, tmp_path)
+    assert (
+        worker_config_from_args(p.parse_args(worker[worker.index("worker") :])).draft_model == "/models/small"
+    )
+    config = scheduler_config_from_args(p.parse_args(control[control.index("control") :]))
+    assert (config.speculative.method, config.speculative.num_speculative_tokens) == ("draft", 4)
+    from control_plane.sim_worker import SimWorker
+    from pagedkv.serve import _forward_line
+
+    assert "draft model sim-draft, a pool of the same 64 blocks" in _forward_line(SimWorker().describe())
+    with pytest.raises(ValueError, match="needs --draft-model"):
+        child_commands(p.parse_args("serve --speculative draft".split()), tmp_path)
+    with pytest.raises(ValueError, match="--speculative draft only"):
+        child_commands(p.parse_args("serve --speculative ngram --draft-model /m".split()), tmp_path)
+
+
+def test_a_worker_without_a_draft_model_turns_draft_speculation_off():
+    from dataclasses import replace
+
+    from control_plane.scheduler import Scheduler
+    from control_plane.scheduler_config import SchedulerConfig
+    from control_plane.sim_worker import SimWorker
+
+    info = SimWorker().describe()
+    config = SchedulerConfig(speculative=_spec(method="draft"))
+    assert Scheduler(config, info).speculator is not None
+    assert Scheduler(config, replace(info, draft_model="")).speculator is None
 
 
 def test_pagedkv_stats_shows_the_speculation_counters():

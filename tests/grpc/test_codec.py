@@ -92,6 +92,7 @@ cont_seq = st.builds(
     next_token=st.none() | u32,
     num_speculative_tokens=u32,
     num_released_blocks=u32,
+    num_draft_tokens=u32,
 )
 
 

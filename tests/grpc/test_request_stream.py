@@ -24,9 +24,9 @@ def _feed(stream: RequestStream, text: str, finish_at_end: bool = True):
         out = RequestOutput(
             "r", 0, [b], None, FinishReason.LENGTH if last else None, Usage() if last else None
         )
-        chunk, matched = stream.to_chunk(out)
+        chunk, dropped = stream.to_chunk(out)
         emitted.append(chunk.text)
-        if matched:
+        if dropped is not None:
             return "".join(emitted), i
     return "".join(emitted), None
 
@@ -41,6 +41,20 @@ def test_stop_string_cuts_before_the_match_and_never_leaks_a_prefix():
     text, at = _feed(s, "abcSTOPdef")
     assert text == "abc"
     assert at == len("abcSTOP") - 1
+
+
+def test_a_stop_inside_a_multi_token_output_drops_the_tokens_after_it():
+    """A speculative verify returns several tokens at once: the chunk keeps those up to the
+    one completing the stop string (ids, logprobs, alternatives), and reports how many follow."""
+    s = RequestStream("r", 1, ByteTokenizer(), stops=("STOP",))
+    first, dropped = s.to_chunk(RequestOutput("r", 0, list(b"abST"), [-1.0] * 4, None, None))
+    assert (first.text, first.token_ids, dropped) == ("a", list(b"abST"), None)  # "bST" held back
+    tops = [([t], [-0.5]) for t in b"OPxy"]
+    chunk, dropped = s.to_chunk(
+        RequestOutput("r", 0, list(b"OPxy"), [-2.0] * 4, None, None, top_logprobs=tops)
+    )
+    assert (chunk.text, chunk.token_ids, chunk.logprobs, dropped) == ("b", list(b"OP"), [-2.0] * 2, 2)
+    assert chunk.top_logprobs == tops[:2]
 
 
 def test_held_back_text_is_flushed_when_the_sample_ends_otherwise():

@@ -12,7 +12,9 @@ workload's longest sequence plus 0..4) and on an ample pool where nothing is pre
 the strict loop and with overlap scheduling (EngineCore(plans_in_flight=2 or 3): that many plans run
 before the oldest result is applied, so stops are found one or two steps late), and with n-gram
 speculative decoding (ample pool strict, tight pool 2 in flight: greedy samples verify proposals
-and roll rejected slots back). Properties:
+and roll rejected slots back), and with draft-model speculation (tight pool, 2 in flight, the
+target cut to one layer as the draft; its sampled requests draw with the draft's q, so only their
+stops, lengths and usage are compared, greedy and beam tokens exactly). Properties:
 
   - every plan the scheduler makes is accepted by the worker (a PlanError fails the test)
     and the scheduler's invariants hold at every step (check_invariants=True);
@@ -20,7 +22,7 @@ and roll rejected slots back). Properties:
     with LENGTH and exactly max_tokens tokens; no output follows a sample's finish; the
     usage on the finishing output counts exactly the tokens handed out;
   - seeded / greedy tokens are independent of batch composition, preemption, overlap and
-    speculation (worker/sampler.py), so every (request, index) gets the same tokens in all seven runs; an
+    speculation (worker/sampler.py), so every (request, index) gets the same tokens in every run; an
     abort lands at the same logical moment (after the same ops) in every run but may catch
     a request at a different point of its progress, so the shorter token list must then be
     a prefix of the longer;
@@ -33,7 +35,8 @@ and roll rejected slots back). Properties:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
@@ -46,6 +49,7 @@ from control_plane.request import FinishReason
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.speculation import SpeculativeConfig
 from tests.worker.worker_test_utils import VOCAB, make_worker
+from worker.draft_checkpoint import truncate_checkpoint
 
 CHECKPOINT = "qwen3-head-dim-tied"
 MAX_MODEL_LEN = 32
@@ -57,6 +61,12 @@ ALPHABET = 4
 SPECULATIVE = SpeculativeConfig(
     "ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, max_batch_size=8
 )
+
+
+def draft_checkpoint(path) -> Path:
+    """The target cut to its first layer, beside it (built once): a draft that agrees sometimes."""
+    out = Path(path).parent / (Path(path).name + "-draft1")
+    return out if (out / "config.json").is_file() else truncate_checkpoint(path, out, 1)
 
 
 @dataclass(frozen=True)
@@ -198,11 +208,11 @@ def run_workload(
     num_blocks: int,
     in_flight: int,
     max_steps: int = 2000,
-    spec: bool = False,
+    spec: str = "",
     **worker_settings,
 ) -> RunResult:
     """`in_flight`: plans executed before the oldest result is applied (1 = the strict loop);
-    `spec`: n-gram speculative decoding on (greedy samples verify proposals);
+    `spec`: "ngram" or "draft" speculative decoding on (the draft: `worker_settings` name it);
     `worker_settings`: more WorkerConfig fields (e.g. a quantized kv_cache_dtype)."""
     worker = make_worker(
         path, block_size=wl.block_size, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN, **worker_settings
@@ -219,7 +229,7 @@ def run_workload(
     worker.execute = execute_and_check_table
     config = wl.config()
     if spec:
-        config.speculative = SPECULATIVE
+        config.speculative = replace(SPECULATIVE, method=spec)
     engine = EngineCore(worker, config, check_invariants=True, plans_in_flight=in_flight)
     sched = engine.scheduler
     tokens: dict[tuple[str, int], list[int]] = {}
@@ -282,18 +292,29 @@ def run_workload(
 
 def check_workload(path, wl: Workload, **worker_settings) -> dict[str, RunResult]:
     tight, ample = wl.tight_num_blocks(), wl.ample_num_blocks()
+    draft = {"draft_model": str(draft_checkpoint(path))}
     runs = {
-        f"{pool}+{in_flight}{'+spec' if spec else ''}": run_workload(
-            path, wl, num_blocks, in_flight, spec=spec, **worker_settings
+        f"{pool}+{in_flight}{'+' + spec if spec else ''}": run_workload(
+            path,
+            wl,
+            num_blocks,
+            in_flight,
+            spec=spec,
+            **worker_settings,
+            **(draft if spec == "draft" else {}),
         )
         for pool, num_blocks, in_flight, spec in (
-            ("ample", ample, 1, False),
-            ("ample", ample, 2, False),
-            ("tight", tight, 1, False),
-            ("tight", tight, 2, False),
-            ("tight", tight, 3, False),
+            ("ample", ample, 1, ""),
+            ("ample", ample, 2, ""),
+            ("tight", tight, 1, ""),
+            ("tight", tight, 2, ""),
+            ("tight", tight, 3, ""),
             # speculation on the model's own KV dtype (quantized caches run the 5 above)
-            *((("ample", ample, 1, True), ("tight", tight, 2, True)) if not worker_settings else ()),
+            *(
+                (("ample", ample, 1, "ngram"), ("tight", tight, 2, "ngram"), ("tight", tight, 2, "draft"))
+                if not worker_settings
+                else ()
+            ),
         )
     }
     assert runs["ample+1"].num_preemptions == runs["ample+2"].num_preemptions == 0
@@ -307,6 +328,8 @@ def check_workload(path, wl: Workload, **worker_settings) -> dict[str, RunResult
                     name, key, req, run.tokens.get(key, []), run.reasons.get(key), rid in run.aborted
                 )
                 a, b = run.tokens.get(key, []), reference.tokens.get(key, [])
+                if name.endswith("draft") and req.seed is not None and not req.beam_width:
+                    continue  # sampled with the draft's q: the same law, other draws (checked above)
                 if rid in run.aborted or rid in reference.aborted:
                     short, long_ = sorted((a, b), key=len)
                     assert long_[: len(short)] == short, (key, name, a, "ample", b)
