@@ -239,22 +239,29 @@ def run_workload(
     reqs: dict[str, Req] = {}
 
     def collect(outputs) -> None:
+        """As the served engine (control_plane/engine_requests.py) takes outputs: an engine stop
+        (a stop string) inside a speculative verify's accepted run keeps the tokens up to it;
+        the rest are dropped from the sample and from its usage."""
         for out in outputs:
             key = (out.request_id, out.index)
             assert key not in reasons, f"{key} produced output after it finished ({reasons[key].name})"
             got = tokens.setdefault(key, [])
-            got.extend(out.new_token_ids)
+            stops = reqs[out.request_id].engine_stops
+            hit = next((i for i, t in enumerate(out.new_token_ids) if t in stops), None)
+            kept = len(out.new_token_ids) if hit is None else hit + 1
+            dropped = len(out.new_token_ids) - kept
+            got.extend(out.new_token_ids[:kept])
             if out.finish_reason is not None:
-                reasons[key] = out.finish_reason
-                assert out.usage is not None and out.usage.completion_tokens == len(got), (
+                reasons[key] = out.finish_reason if hit is None else FinishReason.STOP
+                assert out.usage is not None and out.usage.completion_tokens - dropped == len(got), (
                     key,
                     out.usage,
                     got,
                 )
-            elif set(out.new_token_ids) & set(reqs[out.request_id].engine_stops):
+            elif hit is not None:
                 # As the served engine ends a sample on a stop string: after the step's
                 # outputs were handed out (with overlap, the next step already ran).
-                collect([sched.finish_sample(out.request_id, out.index, FinishReason.STOP)])
+                collect([sched.finish_sample(out.request_id, out.index, FinishReason.STOP, dropped)])
 
     def add(req: Req) -> None:
         rid = f"r{len(ids)}"
@@ -290,7 +297,9 @@ def run_workload(
     return RunResult(tokens, reasons, aborted, sched.num_preemptions)
 
 
-def check_workload(path, wl: Workload, **worker_settings) -> dict[str, RunResult]:
+def check_workload(path, wl: Workload, drafts: bool = True, **worker_settings) -> dict[str, RunResult]:
+    """`drafts`: also run draft-model speculation (the worker refuses a draft for a
+    sliding-window model: its pool shares block ids the window releases)."""
     tight, ample = wl.tight_num_blocks(), wl.ample_num_blocks()
     draft = {"draft_model": str(draft_checkpoint(path))}
     runs = {
@@ -311,7 +320,8 @@ def check_workload(path, wl: Workload, **worker_settings) -> dict[str, RunResult
             ("tight", tight, 3, ""),
             # speculation on the model's own KV dtype (quantized caches run the 5 above)
             *(
-                (("ample", ample, 1, "ngram"), ("tight", tight, 2, "ngram"), ("tight", tight, 2, "draft"))
+                (("ample", ample, 1, "ngram"), ("tight", tight, 2, "ngram"))
+                + ((("tight", tight, 2, "draft"),) if drafts else ())
                 if not worker_settings
                 else ()
             ),
