@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -36,9 +35,9 @@ from worker.cuda_quant import replace_quantized_linears
 from worker.draft_model import build_draft, load_draft
 from worker.errors import WorkerConfigError
 from worker.grammar_matchers import GrammarMatchers
-from worker.graph_check import GraphDecision, graph_facts, prepare_graphs
+from worker.graph_check import GraphDecision, prepare_graphs
 from worker.kv_cache import KVCacheSpec, create_kv_cache
-from worker.kv_quant import describe_scales, resolve_kv_quant
+from worker.kv_quant import resolve_kv_quant
 from worker.memory_profile import breakdown, module_bytes, with_kv_bytes
 from worker.model import CausalLM
 from worker.model_config import load_model_config
@@ -60,6 +59,7 @@ from worker.worker_config import (
     resolve_max_model_len,
     resolve_model_dir,
 )
+from worker.worker_facts import describe as describe_worker
 
 log = get_logger("pagedkv.worker")
 
@@ -120,7 +120,7 @@ class Worker:
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
             contiguous=config.layout == KVLayout.CONTIGUOUS,
-            window=0 if config.layout == KVLayout.CONTIGUOUS else self._window_of_every_layer(),
+            window=0 if config.layout == KVLayout.CONTIGUOUS else self.window_of_every_layer(),
             draft=draft is not None,
         )
         # Paged: the persistent block table the kernels read by row (worker/block_table.py).
@@ -138,7 +138,7 @@ class Worker:
         lse_topk = None if self.fast_forward is None else self.fast_forward.lse_topk
         self.sampler = Sampler(config.seed, self.model_config.eos_token_ids, lse_topk)
         self.instance_id = uuid.uuid4().hex
-        self._info = self._describe()
+        self._info = describe_worker(self)
         self.grammars = GrammarMatchers(
             make_tokenizer(
                 self._info.tokenizer_kind, self._info.tokenizer_json, self.model_config.vocab_size
@@ -356,82 +356,8 @@ class Worker:
             return f"{self.fast_forward.variant} ({self.fast_forward.origin})"
         return "nvrtc" if self.device.type == "cuda" else ""
 
-    def _window_of_every_layer(self) -> int:
+    def window_of_every_layer(self) -> int:
         """The sliding window when every layer has one (blocks before it may be released);
         0 when some layer attends to the whole context."""
         windows = self.model_config.layer_windows
         return self.model_config.sliding_window if windows and all(windows) else 0
-
-    def _describe(self) -> WorkerInfo:
-        config = self.model_config
-        tokenizer_kind, tokenizer_json = _tokenizer(self.model_dir, config.tokenizer_hint)
-        return WorkerInfo(
-            model_name=config.model_name_hint or self.model_dir.resolve().name,
-            architecture=config.architecture,
-            vocab_size=config.vocab_size,
-            max_model_len=self.max_model_len,
-            num_layers=config.num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=str(self.dtype).removeprefix("torch."),
-            block_size=self.config.block_size,
-            num_blocks=self.kv_cache.reported_num_blocks,
-            bytes_per_block=self.kv_spec.bytes_per_block,
-            device=str(self.device),
-            instance_id=self.instance_id,
-            eos_token_ids=config.eos_token_ids,
-            kv_layout=self.config.layout,
-            max_concurrent_seqs=self.kv_cache.max_concurrent_seqs,
-            tokenizer_kind=tokenizer_kind,
-            forward=self.forward_kind,
-            forward_kernels=self.forward_kernels,
-            forward_fallback_reason=self.forward_fallback_reason,
-            quantization=self._quantization(),
-            kv_cache_dtype=self.kv_spec.kv_cache_dtype,
-            kv_cache_scales=describe_scales(self.kv_spec.kv_format, self.kv_tensor_scales),
-            memory=self.memory,
-            **graph_facts(self.graph_decision),
-            sliding_window=self._window_of_every_layer(),
-            draft_model=self._draft_facts(),
-            tokenizer_json=tokenizer_json,
-            **self._image_facts(),
-        )
-
-    def _draft_facts(self) -> str:
-        if self.draft is None:
-            return ""
-        spec = self.draft.kv_cache.spec
-        return f"{self.draft.name} ({spec.num_layers} layers, {spec.bytes_per_block} bytes/block)"
-
-    def _image_facts(self) -> dict[str, int]:
-        mm = self.model_config.multimodal
-        if mm is None:
-            return {}
-        return dict(
-            image_token_id=mm.image_token_id,
-            vision_start_token_id=mm.vision_start_token_id,
-            vision_end_token_id=mm.vision_end_token_id,
-            image_patch_size=mm.geometry.patch_size,
-            image_merge_size=mm.geometry.merge_size,
-            image_min_pixels=mm.geometry.min_pixels,
-            image_max_pixels=mm.geometry.max_pixels,
-        )
-
-    def _quantization(self) -> str:
-        """ModelFacts.quantization: the checkpoint's scheme and how the forward holds it."""
-        scheme = self.model_config.quantization
-        if scheme is None:
-            return ""
-        dense = str(self.dtype).removeprefix("torch.")
-        packed = self.fast_forward is not None or self.device.type == "cuda"
-        held = "packed codes" if packed else f"dequantized to {dense}"
-        return f"{scheme.describe()}; {held}"
-
-
-def _tokenizer(model_dir: Path, hint: str | None) -> tuple[str, str]:
-    if hint == "byte":
-        return "byte", ""
-    tokenizer_path = model_dir / "tokenizer.json"
-    if tokenizer_path.is_file():
-        return "hf", tokenizer_path.read_text(encoding="utf-8")
-    return "none", ""
