@@ -14,9 +14,9 @@ import torch
 
 from base.plan import ContinuingSequence, NewSequence, Plan, SamplingParams
 from control_plane.engine import EngineCore
-from control_plane.invariants import check_all_free
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.speculation import SpeculativeConfig
+from tests.worker.test_speculative import run
 from tests.worker.worker_test_utils import make_worker
 from worker.draft_acceptance import Uniforms, accept_sampled, draw, probabilities
 from worker.draft_checkpoint import truncate_checkpoint
@@ -36,33 +36,6 @@ def models(checkpoint, tmp_path_factory):
     """(target dir, its 1-layer truncation): a draft that agrees sometimes."""
     _, path = checkpoint(TARGET)
     return path, truncate_checkpoint(path, tmp_path_factory.mktemp("draft") / "d", 1)
-
-
-def run(worker, requests, spec: SpeculativeConfig | None, in_flight=1, aborts=(), **cfg):
-    """(request id, index) -> (tokens, finish reason); invariants checked after every step."""
-    config = SchedulerConfig(speculative=spec or SpeculativeConfig(), **cfg)
-    engine = EngineCore(worker, config, check_invariants=True, plans_in_flight=in_flight)
-    for rid, prompt, sampling in requests:
-        engine.add_request(rid, prompt, sampling)
-    tokens: dict = {}
-    reasons: dict = {}
-    for step in range(2000):
-        if not engine.has_work():
-            break
-        for when, rid in aborts:
-            if when == step and rid in engine.scheduler.requests:
-                for out in engine.scheduler.abort_request(rid):
-                    reasons[(out.request_id, out.index)] = out.finish_reason
-        for out in engine.step():
-            key = (out.request_id, out.index)
-            assert key not in reasons, f"{key}: output after its finish"
-            tokens.setdefault(key, []).extend(out.new_token_ids)
-            if out.finish_reason is not None:
-                reasons[key] = out.finish_reason
-                assert out.usage.completion_tokens == len(tokens[key])
-    check_all_free(engine.scheduler)
-    assert worker.num_sequences == 0
-    return {k: (v, reasons.get(k)) for k, v in tokens.items()}, engine
 
 
 def greedy_workload():

@@ -25,9 +25,15 @@ from worker.speculative_verify import sequence_outputs
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
 
 
-def run(worker, requests, spec: bool, in_flight: int, aborts=(), **cfg) -> tuple[dict, EngineCore]:
-    """`requests`: (id, prompt, SamplingParams); `aborts`: (step, id) pairs."""
-    config = SchedulerConfig(speculative=NGRAM if spec else SpeculativeConfig(), **cfg)
+def run(
+    worker, requests, spec: bool | SpeculativeConfig | None, in_flight: int = 1, aborts=(), **cfg
+) -> tuple[dict, EngineCore]:
+    """`requests`: (id, prompt, SamplingParams); `aborts`: (step, id) pairs; `spec`: a
+    speculation config, or True for NGRAM. Returns ((request id, index) -> (tokens, finish
+    reason), the engine); invariants checked after every step."""
+    if not isinstance(spec, SpeculativeConfig):
+        spec = NGRAM if spec else SpeculativeConfig()
+    config = SchedulerConfig(speculative=spec, **cfg)
     engine = EngineCore(worker, config, check_invariants=True, plans_in_flight=in_flight)
     for rid, prompt, sampling in requests:
         engine.add_request(rid, prompt, sampling)
