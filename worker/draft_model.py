@@ -48,8 +48,13 @@ class DraftModel:
     """The draft's weights, forward and pool; `propose`, `accept` and `catch_up` are one
     Execute's three draft phases, in that order."""
 
-    def __init__(self, name: str, model, kv_cache, fast_forward, eos_token_ids, seed: int) -> None:
+    def __init__(
+        self, name: str, model, kv_cache, fast_forward, eos_token_ids, seed: int, table=None
+    ) -> None:
         self.name = name
+        # The worker's persistent block table (worker/block_table.py): the draft's table is the
+        # target's, so its passes read the same rows (None: per-sequence tables).
+        self.table = table
         self.model = model
         self.kv_cache = kv_cache
         self.fast_forward = fast_forward  # worker.cpu_forward.FastCpuForward, or None: the reference
@@ -60,7 +65,13 @@ class DraftModel:
     def forward(self, seqs: list[ScheduledSequence]) -> Tensor:
         """Writes the draft K/V of every input of `seqs`; returns the logits of their sampling
         rows (fp32, in order)."""
-        inputs = build_model_inputs(seqs, self.kv_cache.addressing_block_size, self.kv_cache.device)
+        by_row = self.table is not None and all(s.table_row is not None for s in seqs)
+        inputs = build_model_inputs(
+            seqs,
+            self.kv_cache.addressing_block_size,
+            self.kv_cache.device,
+            table=self.table if by_row else None,
+        )
         rows = inputs.logits_indices.tolist()
         if self.fast_forward is not None:
             if not rows:  # the fused stack wants a row to finish on; its logits are unused
@@ -99,7 +110,13 @@ class DraftModel:
             if not live:
                 break
             seqs = [
-                ScheduledSequence(s.table, [s.token_ids[1 + i]], s.start_pos + 1 + i, True, s.rope_shift)
+                replace(
+                    s,
+                    token_ids=[s.token_ids[1 + i]],
+                    start_pos=s.start_pos + 1 + i,
+                    sample=True,
+                    num_logit_rows=1,
+                )
                 for _, s in live
             ]
             i += 1
@@ -143,7 +160,11 @@ class DraftModel:
         for seq_id in fully_accepted:
             s = work.drafts[seq_id]
             k = len(s.token_ids) - 1
-            seqs.append(ScheduledSequence(s.table, [s.token_ids[k]], s.start_pos + k, False, s.rope_shift))
+            seqs.append(
+                replace(
+                    s, token_ids=[s.token_ids[k]], start_pos=s.start_pos + k, sample=False, num_logit_rows=1
+                )
+            )
         if seqs:
             self.forward(seqs)
 
@@ -205,4 +226,5 @@ def build_draft(worker, model, config, spec: KVCacheSpec) -> DraftModel:
     elif model.quantized:
         model.materialize_quantized(worker.dtype, worker.device)
     name = config.model_name_hint or Path(worker.config.draft_model).name
-    return DraftModel(name, model, kv_cache, fast, worker.model_config.eos_token_ids, worker.config.seed + 1)
+    eos = worker.model_config.eos_token_ids
+    return DraftModel(name, model, kv_cache, fast, eos, worker.config.seed + 1, worker.persistent_table)
