@@ -23,6 +23,23 @@ typedef struct {
     float k_unit, v_unit;
 } KvScales;
 
+/* The library's paged attention (cpu_attention.c; the decoder stack calls it per layer).
+ * query/out [T, H, D]; caches [blocks, block_size, KV, D]; block_tables int32 [S, width];
+ * seq_lens int32 [S] (context incl. this step's tokens); query_start_loc int32 [S + 1].
+ * Quantized pools: k_exps/v_exps [blocks * block_size, KV] scale bytes, k_scale/v_scale the
+ * per-tensor scales (0 = none: 1); all four are ignored for other pools. window > 0: a
+ * sliding-window layer, each query sees the `window` positions up to its own (keys before are
+ * never read, so their blocks may be gone).
+ * Sequences with at least half a tile of query rows (prefill chunks) go through attend_tile,
+ * the rest (decodes) through attend_token_*. Returns 0, or -1 when the geometry exceeds this
+ * kernel's fixed buffers (the caller refuses such models up front). */
+int paged_attention_rows(float *out, const float *query, const void *k_cache, const void *v_cache, int kv_dtype,
+                         const uint8_t *k_exps, const uint8_t *v_exps, float k_scale, float v_scale,
+                         const int32_t *block_tables, int64_t table_width, const int32_t *table_rows,
+                         const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs, int64_t heads,
+                         int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window,
+                         int threads);
+
 /* Internal to the library: not part of its ctypes surface. */
 #define ATTN_INTERNAL __attribute__((visibility("hidden")))
 

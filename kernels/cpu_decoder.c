@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_attention.h"
 #include "cpu_simd.h"
 
 int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, const void *w, const float *bias,
@@ -29,12 +30,6 @@ void qkv_rope_store(const float *qkv, const float *cos, const float *sin, const 
                     int kv_dtype, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, float eps,
                     uint8_t *k_exps, uint8_t *v_exps, float k_scale, float v_scale, int threads);
 void silu_mul(float *out, const float *gate_up, int64_t rows, int64_t inner, int threads);
-int paged_attention_rows(float *out, const float *query, const void *k_cache, const void *v_cache, int kv_dtype,
-                         const uint8_t *k_exps, const uint8_t *v_exps, float k_scale, float v_scale,
-                         const int32_t *block_tables, int64_t table_width, const int32_t *table_rows,
-                         const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs, int64_t heads,
-                         int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window,
-                         int threads);
 
 typedef struct {
     int32_t kind;        /* DT_F32 / DT_BF16 / DT_F16 panels (cpu_gemm.c), or 4 / 8: integer codes (cpu_quant.c) */
