@@ -105,14 +105,13 @@ def build_model_inputs(
     seqs: Sequence[ScheduledSequence],
     block_size: int,
     device: torch.device | str,
-    block_table_width: int | None = None,
     table: BlockTable | None = None,
 ) -> ModelInputs:
     """Build the flattened batch. Inputs are assumed validated (tables cover every position).
 
     `table`: the persistent block table every sequence has a `table_row` in (its device copy,
-    if any, already synced); else `block_table_width` pads per-sequence tables to a fixed
-    width (by default the widest table the batch needs).
+    if any, already synced); else each sequence's own table, padded to the widest the batch
+    needs.
     """
     if not seqs:
         raise ValueError("build_model_inputs needs at least one scheduled sequence")
@@ -126,7 +125,7 @@ def build_model_inputs(
     rows = None
     if table is None:
         slot_mapping = np.concatenate([_slots(s, block_size) for s in seqs])
-        block_tables = torch.from_numpy(_padded_block_tables(seqs, seq_lens, block_size, block_table_width))
+        block_tables = torch.from_numpy(_padded_block_tables(seqs, seq_lens, block_size))
     else:
         rows = np.fromiter((s.table_row for s in seqs), dtype=np.int32, count=len(seqs))
         token_rows = np.repeat(rows, query_lens)
@@ -226,14 +225,10 @@ def _slots(seq: ScheduledSequence, block_size: int) -> np.ndarray:
 
 
 def _padded_block_tables(
-    seqs: Sequence[ScheduledSequence], seq_lens: np.ndarray, block_size: int, width: int | None
+    seqs: Sequence[ScheduledSequence], seq_lens: np.ndarray, block_size: int
 ) -> np.ndarray:
     needed = [blocks_needed(int(n), block_size) for n in seq_lens]
-    width = max(needed) if width is None else width
-    if width < max(needed):
-        raise ValueError(
-            f"block_table_width {width} is narrower than the {max(needed)} blocks a sequence needs"
-        )
+    width = max(needed)
     tables = np.full((len(seqs), width), NULL_BLOCK_ID, dtype=np.int64)
     for row, (seq, n) in enumerate(zip(seqs, needed, strict=True)):
         tables[row, :n] = seq.table[:n]
