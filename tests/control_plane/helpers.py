@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hypothesis import strategies as st
+
 from base.plan import SamplingParams
 from control_plane.engine import EngineCore
 from control_plane.request import Request, Sequence
@@ -31,3 +33,14 @@ def make_engine(
     """`window` > 0: a sliding-window model (SimWorker's), whose blocks before the window are freed."""
     worker = SimWorker(num_blocks, block_size, vocab, max_model_len, eos, window=window)
     return EngineCore(worker, SchedulerConfig(**cfg), check_invariants=True), worker
+
+
+def interleaving_ops(request_st):
+    """The op alphabet of the engine property tests: add a request (drawn from `request_st`),
+    step 1-4 times, abort the i-th live request, lose the worker."""
+    return st.one_of(
+        st.tuples(st.just("add"), request_st),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+        st.tuples(st.just("abort"), st.integers(0, 1000)),
+        st.tuples(st.just("worker_lost"), st.just(0)),
+    )

@@ -9,7 +9,7 @@ from control_plane.invariants import check_all_free, check_plan, check_pool, che
 from control_plane.kv_cache_manager import KVCacheManager
 from control_plane.sim_worker import reference_tokens
 from control_plane.speculation import SpeculativeConfig
-from tests.control_plane.helpers import make_engine, make_seq
+from tests.control_plane.helpers import interleaving_ops, make_engine, make_seq
 
 VOCAB = 64  # small vocab: shared prefixes and repeated blocks happen often
 
@@ -19,12 +19,7 @@ request_st = st.tuples(
     st.integers(1, 3),  # n
     st.integers(0, 2),  # priority
 )
-op_st = st.one_of(
-    st.tuples(st.just("add"), request_st),
-    st.tuples(st.just("step"), st.integers(1, 4)),
-    st.tuples(st.just("abort"), st.integers(0, 1000)),
-    st.tuples(st.just("worker_lost"), st.just(0)),
-)
+op_st = interleaving_ops(request_st)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -16,7 +16,7 @@ from control_plane.invariants import check_all_free, check_scheduler
 from control_plane.request import FinishReason
 from control_plane.sim_worker import reference_tokens
 from control_plane.speculation import SpeculationStats, SpeculativeConfig, propose_ngram
-from tests.control_plane.helpers import make_engine
+from tests.control_plane.helpers import interleaving_ops, make_engine
 
 
 def naive_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -198,12 +198,7 @@ request_st = st.tuples(
     st.integers(0, 2),  # priority
     st.lists(st.integers(0, VOCAB - 1), max_size=1),  # stop ids
 )
-op_st = st.one_of(
-    st.tuples(st.just("add"), request_st),
-    st.tuples(st.just("step"), st.integers(1, 4)),
-    st.tuples(st.just("abort"), st.integers(0, 1000)),
-    st.tuples(st.just("worker_lost"), st.just(0)),
-)
+op_st = interleaving_ops(request_st)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
