@@ -184,8 +184,8 @@ class WorkerDecodePaths:
     def graph(self, seqs: list[ScheduledSequence]) -> Tensor:
         """A replay reads tables by row from the persistent table: the scratch sequences get
         rows there for the one step, under ids no plan uses (plans' ids are unsigned)."""
-        table = getattr(self.graphs, "table", None)
-        if table is None:  # a fake runner in tests, or one that reads seq.table itself
+        table = self.graphs.table
+        if table is None:  # a runner that reads each sequence's own table
             return self.model.compute_logits(self.graphs.forward(seqs))
         ids = [-1 - i for i in range(len(seqs))]
         rows = [table.add(seq_id, seq.table) for seq_id, seq in zip(ids, seqs, strict=True)]

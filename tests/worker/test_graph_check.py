@@ -138,6 +138,7 @@ class EagerAsGraph:
         self.block_size, self.max_model_len = worker.config.block_size, worker.max_model_len
         self.stale, self.noise = stale, noise
         self.captured = self.invalidated = 0
+        self.table = None  # reads each sequence's own table, as the eager forward does
 
     def capture_all(self):
         self.captured += 1
