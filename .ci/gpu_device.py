@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,6 +71,9 @@ WORKER_DESELECT = [f"--deselect={t}" for t in KERNEL_TESTS if "::" in t]
 SANITIZED = ["tests/gpu/test_kernels_vs_cpu.py", "tests/gpu/test_quant_linear_cuda.py"]
 MEMCHECK_K = "(fp16 or poisoned or mixed or write_kv or copy_blocks) and not graph"
 RACECHECK_K = "fp16 and (decode or prefill or mixed or gemv) and not graph"
+SANITIZER_ERRORS = re.compile(
+    r"ERROR SUMMARY: [1-9]|RACECHECK SUMMARY: [1-9][0-9]* hazards? displayed \([1-9]"
+)
 COMPILE_TESTS = [
     "tests/kernels/test_compile.py",
     "tests/kernels/test_quant_cuda.py::"
@@ -352,8 +356,13 @@ def run_step(runner: Runner, step: Step, limit: int) -> StepResult:
         if code == 5:
             result.status, result.note = "skipped", "no test matched"
     text = log.read_text(errors="replace") if log.exists() else ""
-    if step.sanitizer and ("ERROR SUMMARY: " in text and "ERROR SUMMARY: 0 errors" not in text):
-        result.note = "compute-sanitizer reported errors: " + text.split("ERROR SUMMARY: ", 1)[1][:200]
+    if step.sanitizer and SANITIZER_ERRORS.search(text):  # a backstop to --error-exitcode
+        reports = [
+            line
+            for line in text.splitlines()
+            if line.startswith("========= ") and "COMPUTE-SANITIZER" not in line
+        ]
+        result.note = "compute-sanitizer reported errors:\n" + "\n".join(reports[:6])
         code = code or 86
     if code == 124:
         result.status = "TIMED OUT"

@@ -21,15 +21,16 @@ from pathlib import Path
 from gpu_report import StepResult
 
 FACTS = r"""
-import json, platform, subprocess, sys
+import json, os, platform, subprocess, sys
 import torch
 facts = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
          "cuda": torch.cuda.is_available()}
-try:
-    facts["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True).stdout.strip()
+try:  # the device's copy of the tree may have no .git: the caller can name the commit
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    git = git.stdout.strip()
 except OSError:
-    pass
+    git = ""
+facts["commit"] = os.environ.get("GPU_DEVICE_COMMIT") or git or "unknown (set GPU_DEVICE_COMMIT)"
 if facts["cuda"]:
     p = torch.cuda.get_device_properties(0)
     facts.update(device=p.name, arch=f"sm_{p.major}{p.minor}", sms=p.multi_processor_count,

@@ -247,3 +247,12 @@ def test_what_the_gpu_steps_import_is_in_the_image_or_carried():
         and not {d.lower().replace("_", "-") for d in distributions.get(top, [top])} & available
     }
     assert missing == {}, "imported by a GPU step, neither in the image nor carried"
+
+
+def test_sanitizer_summaries_with_errors_fail_the_step(harness):
+    gpu_device, _ = harness
+    errors = gpu_device.SANITIZER_ERRORS
+    assert errors.search("========= ERROR SUMMARY: 3 errors")
+    assert errors.search("========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)")
+    assert not errors.search("========= ERROR SUMMARY: 0 errors")
+    assert not errors.search("========= RACECHECK SUMMARY: 1 hazard displayed (0 errors, 1 warnings)")
