@@ -74,7 +74,7 @@ test: setup lmeval-env
 	PAGEDKV_LMEVAL_VENV=$(LMEVAL_VENV) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-gpu: setup
-	$(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
+	$(PY) -m pytest tests/gpu -v $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m bench $(ARGS)
