@@ -92,6 +92,7 @@ class Step:
     sanitizer: str | None = None  # compute-sanitizer tool wrapping the pytest step
     k: str | None = None  # the step's own -k
     gpu_tests: bool = False  # a tests/gpu step: what `-k EXPR` alone selects
+    tail: int = 8  # lines of a command step's output shown in the report
 
 
 # Limits for the 550 s deadline: setup ~40 s, then these; the bench takes what is left (a first
@@ -132,7 +133,15 @@ PLAN = [
         k=RACECHECK_K,
     ),
     Step("nvrtc compile tests", ("kernels",), 60, 20, pytest=COMPILE_TESTS),
-    Step("bench.gpu", ("bench",), 340, 40, command=["python3", "-m", "bench.gpu", "--budget-s", "{budget}"]),
+    # The bench's own summary (its figures) is the end of its output: shown whole in the report.
+    Step(
+        "bench.gpu",
+        ("bench",),
+        340,
+        40,
+        command=["python3", "-m", "bench.gpu", "--budget-s", "{budget}"],
+        tail=60,
+    ),
 ]
 BENCH_MARGIN_S = 40  # the case in progress when the bench's budget runs out, and its report
 
@@ -369,7 +378,7 @@ def run_step(runner: Runner, step: Step, limit: int) -> StepResult:
     elif code not in (0, 5):
         result.status = "FAILED"
     if step.pytest is None or (code not in (0, 5) and not result.failures):
-        result.note = "\n".join(text.strip().splitlines()[-8:]) if text.strip() else result.note
+        result.note = "\n".join(text.strip().splitlines()[-step.tail :]) if text.strip() else result.note
     return result
 
 

@@ -25,6 +25,7 @@ MAX_OUT_FILES = 8
 MAX_FILE_BYTES = 16 << 20
 LOG_HEAD, LOG_TAIL = 1 << 20, 3 << 20  # what of a log over LOG_HEAD + LOG_TAIL is packed
 MESSAGE_LINES, LINE_CHARS = 4, 200
+NOTE_LINES = 60  # a note is at most a step's output tail (gpu_device.Step.tail)
 MAX_FAILURES_KEPT = 200
 
 
@@ -107,7 +108,7 @@ def step_lines(result: StepResult) -> list[str]:
             "  slowest: " + ", ".join(f"{nodeid.rsplit('/', 1)[-1]} {s} s" for nodeid, s in result.slowest)
         )
     if result.note:
-        lines += [f"  {line}" for line in _clip(result.note, 8)]
+        lines += [f"  {line}" for line in _clip(result.note, NOTE_LINES)]
     return lines
 
 
