@@ -49,7 +49,9 @@ from gpu_report import StepResult, read_records, step_lines, table, tally, write
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS = ("kernels", "worker", "graphs", "sanitizer", "bench")
 GRAPH_FILTER = "graph"  # --only graphs: the tests whose ids name graphs (GRAPH_IDS in the tests)
-PER_TEST_TIMEOUT_S = 150  # pytest-timeout hang guard inside a step (not a speed limit)
+# pytest-timeout's hang guard inside a step (not a speed limit), times --scale: it also bounds a
+# session fixture, e.g. the compile tests' (262 NVRTC programs; 153 s on 2 loaded cores).
+PER_TEST_TIMEOUT_S = 150
 KERNEL_TESTS = [
     "tests/gpu/test_kernels_vs_cpu.py",
     "tests/gpu/test_quant_linear_cuda.py",
@@ -202,6 +204,7 @@ class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
         self.start = time.monotonic()
         self.deadline = args.deadline * args.scale
+        self.scale = args.scale
         self.out = Path(os.environ.get("OUT") or "/tmp/gpu-out")
         self.work = Path(os.environ.get("GPU_DEVICE_WORK") or f"/tmp/pagedkv-gpu-device-{os.getpid()}")
         self.site = Path(os.environ.get("GPU_DEVICE_SITE") or "/tmp/pagedkv-site")
@@ -350,7 +353,7 @@ def run_step(runner: Runner, step: Step, limit: int) -> StepResult:
             "-rfEs",
             "--tb=short",
             "-o",
-            f"timeout={PER_TEST_TIMEOUT_S}",
+            f"timeout={round(PER_TEST_TIMEOUT_S * runner.scale)}",
         ]
         command += ["-k", step.k] if step.k else []
         command += ["-v"] if step.sanitizer is None else ["-q"]
