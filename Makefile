@@ -18,7 +18,7 @@ KERNEL_SRC := $(wildcard kernels/cpu_*.c kernels/cpu_*.h) kernels/cpu_build.py
 KERNEL_STAMP := kernels/prebuilt/.stamp
 PYTEST_ARGS ?=
 
-.PHONY: all setup lmeval-env proto run test test-gpu bench bench-quick bench-gpu bench-peer soak device-wheels lint clean
+.PHONY: all setup lmeval-env proto run test test-gpu bench bench-quick bench-gpu bench-peer soak device-wheels gpu-rehearsal lint clean
 
 all: test
 
@@ -74,7 +74,7 @@ test: setup lmeval-env
 	PAGEDKV_LMEVAL_VENV=$(LMEVAL_VENV) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-gpu: setup
-	$(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
+	$(PY) -m pytest tests/gpu -v $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m bench $(ARGS)
@@ -126,20 +126,26 @@ soak: setup
 	$(PY) -m bench.soak $(SOAK_ARGS) $(ARGS)
 
 # Wheels (CPython 3.12, x86-64) of what the lent GPU machine's image lacks, pinned to this
-# venv's versions, for `.ci/gpu-device` there (see that file and docs/GPU_VALIDATION.md).
-# transformers: the image's 5.17 predates the VL oracles' >= 5.24 (its hub/tokenizers/safetensors
-# there satisfy 5.24's pins); llguidance: structured outputs' grammar engine.
-DEVICE_PKGS := ^(grpcio|grpcio-tools|grpcio-health-checking|grpcio-reflection|protobuf|structlog|llguidance|transformers)==
+# venv's versions, for `.ci/gpu-device` there (see that file and docs/GPU_VALIDATION.md). The
+# list, with why each is carried: .ci/device-wheels.txt (gpu-rehearsal reads it too).
+DEVICE_PKGS := ^($(shell grep -v '^\#' .ci/device-wheels.txt | paste -sd'|'))==
 device-wheels: setup
 	rm -rf .whl && mkdir -p .whl
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-		-d .whl $$($(PY) -m pip freeze | grep -E '$(DEVICE_PKGS)')
+		-d .whl $$($(PY) -m pip freeze | grep -iE '$(DEVICE_PKGS)')
+
+# .ci/gpu-device, whole, on this CPU machine in a venv of only the GPU image's packages (CPU torch)
+# plus the carried wheels (.ci/gpu-rehearsal): catches an import the image cannot satisfy or a
+# step that cannot start before a GPU window is spent on it. Minutes (a venv of ~70 packages the
+# first time, then the GPU steps skipping): never part of `make test`. ARGS go to .ci/gpu-device.
+gpu-rehearsal: setup
+	bash .ci/gpu-rehearsal $(PY) $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(LMEVAL_VENV) base/v1 kernels/prebuilt build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(LMEVAL_VENV) .gpu-rehearsal base/v1 kernels/prebuilt build *.egg-info .pytest_cache .ruff_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -54,6 +54,11 @@ class ScheduledSequence:
     num_logit_rows: int = 1
     # This sequence's row in the worker's persistent BlockTable; None when there is none.
     table_row: int | None = None
+    # A pure decode row: one token at a position past the prompt (NewSequence.prompt_len), i.e. a
+    # generated or fed-back token. Only these may replay a decode graph: a 1-token prompt chunk
+    # (a budget with one token left) needs the eager forward's prompt logprobs, image rows and
+    # rotary positions (worker/cuda_graph.py DecodeGraphRunner.accepts).
+    decode: bool = False
 
     @property
     def seq_len(self) -> int:

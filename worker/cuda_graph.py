@@ -199,14 +199,17 @@ class DecodeGraphRunner:
         self.static = StaticDecodeInputs(max_batch, blocks_needed(max_model_len, self.block_size), device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
+        self.num_replays = 0  # decode steps served by a replay (tests check the graphs ran)
 
     def accepts(self, seqs: Sequence[ScheduledSequence]) -> bool:
-        """A pure decode step (one token per sequence) that fits the largest bucket, of
-        sequences with rows in the persistent table."""
+        """A pure decode step that fits the largest bucket, of sequences with rows in the
+        persistent table. Pure decode (`ScheduledSequence.decode`): one token past the prompt
+        per row; a 1-token prompt chunk is not one (its prompt logprobs, a vision model's image
+        rows and unshifted rotary positions are the eager forward's)."""
         return (
             0 < len(seqs) <= self.buckets[-1]
             and self.table is not None
-            and all(len(s.token_ids) == 1 and s.table_row is not None for s in seqs)
+            and all(s.decode and len(s.token_ids) == 1 and s.table_row is not None for s in seqs)
         )
 
     def forward(self, seqs: Sequence[ScheduledSequence]) -> Tensor:
@@ -217,6 +220,7 @@ class DecodeGraphRunner:
         graph, hidden = self._graphs.get(key) or self._capture(*key)
         self.static.fill(seqs, key[0], self.block_size, self.table)
         graph.replay()
+        self.num_replays += 1
         sampling_rows = [row for row, seq in enumerate(seqs) if seq.sample]
         if len(sampling_rows) == len(seqs):
             return hidden[: len(seqs)]
@@ -243,6 +247,11 @@ class DecodeGraphRunner:
         return len(self._graphs)
 
     @property
+    def captured(self) -> frozenset[tuple[int, int]]:
+        """The (batch bucket, context bucket) keys of the graphs held now."""
+        return frozenset(self._graphs)
+
+    @property
     def max_graphs(self) -> int:
         """The most graphs this runner captures: one per (batch bucket, context bucket)."""
         return len(self.buckets) * len(self.context_buckets)
@@ -258,6 +267,14 @@ class DecodeGraphRunner:
         return self.model(s.input_ids[:bucket], s.positions[:bucket], self.kv_cache, meta)
 
     def _capture(self, bucket: int, context: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        """Warm up and capture under inference mode, wherever it is called from (start-up
+        profiling, the self-check, a first use): with autograd recording, each graph would keep
+        its autograd graph and pin its activations in the shared pool, so graph memory would
+        be the sum over buckets instead of about the largest one."""
+        with torch.inference_mode():
+            return self._capture_inference(bucket, context)
+
+    def _capture_inference(self, bucket: int, context: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         self.static.pad(bucket)
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)

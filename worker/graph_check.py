@@ -123,7 +123,9 @@ def run_check(paths: DecodePaths, sequences: list[tuple[list[int], list[int]]], 
         paths.prefill(
             [ScheduledSequence(t, ids[:-1], 0, sample=False) for t, ids in sequences if len(ids) > 1]
         )
-        decode = [ScheduledSequence(t, ids[-1:], len(ids) - 1, sample=True) for t, ids in sequences]
+        decode = [
+            ScheduledSequence(t, ids[-1:], len(ids) - 1, sample=True, decode=True) for t, ids in sequences
+        ]
         eager = paths.eager(decode)
         graph = paths.graph(decode)
     return compare_logits(graph, eager, dtype)
@@ -214,7 +216,7 @@ def prepare_graphs(
     runner = make_runner()
 
     def check() -> Comparison:
-        runner.capture_all()
+        runner.capture_all()  # under inference mode (DecodeGraphRunner._capture)
         pool, block_size = runner.kv_cache, runner.block_size
         lengths = check_lengths(block_size, runner.max_model_len, pool.reported_num_blocks - 1)
         sequences = scratch_sequences(lengths, block_size, pool.reported_num_blocks, vocab_size)

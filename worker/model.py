@@ -157,7 +157,10 @@ class CausalLM(nn.Module):
         tensors = load_tensors(model_dir, shapes, dtype, device)
         model.load_state_dict(tensors, strict=False, assign=True)
         model.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
-        return model.eval()
+        # Served, never trained: load_state_dict(assign=True) keeps the meta parameters'
+        # requires_grad=True, and a forward over such weights outside inference_mode (a CUDA
+        # graph capture) would record autograd and keep its activations alive.
+        return model.requires_grad_(False).eval()
 
     def materialize_quantized(self, dtype: torch.dtype, device: torch.device | str) -> None:
         """Dequantize every quantized layer into a dense weight (the reference and CUDA forwards

@@ -126,7 +126,7 @@ class WorkerProfileWorkload:
             self.model, self.pool, shape.max_model_len, shape.max_batch, self.device
         )
         try:
-            self.graphs.capture_all()
+            self.graphs.capture_all()  # under inference mode (DecodeGraphRunner._capture)
         except (RuntimeError, ValueError) as exc:  # the self-check meets it again and decides
             log.warning("worker.memory_profile_no_graphs", reason=f"graph capture failed: {exc}")
             self.graphs.invalidate()

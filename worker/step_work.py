@@ -106,5 +106,6 @@ def _entry(kv_cache, mirrors: SequenceMirrors, mirror: SequenceMirror, seq, toke
         rope_shift=shift,
         num_logit_rows=1 + seq.num_speculative_tokens + seq.num_draft_tokens,
         table_row=None if mirrors.table is None else mirrors.table.row(seq.seq_id),
+        decode=len(token_ids) == 1 and seq.start_pos >= mirror.prompt_len,
     )
     return scheduled, rows, seq.seq_id, mirror, seq.next_token

@@ -53,12 +53,17 @@ def test_graph_decode_across_context_buckets_equals_eager():
     eager_worker = Worker(WorkerConfig(device="cuda", cuda_graph=False, **settings))
     prompt = [random.Random(5).randrange(VOCAB) for _ in range(500)]
     graph, eager = PlanDriver(graph_worker), PlanDriver(eager_worker)
+    runner = graph_worker.decode_graphs
+    at_start = runner.captured  # every batch bucket at 2048, and the self-check's graph
+    replays = runner.num_replays  # the self-check's one
+    assert {(bucket, 2048) for bucket in runner.buckets} <= at_start
     for driver in (graph, eager):
         driver.add(1, prompt)
         driver.step({1: None})
         driver.decode([1], 30)  # contexts 501..531: buckets 512 then 1024
-    assert graph_worker.decode_graphs.num_captured == 2
-    assert graph_worker.decode_graphs.max_graphs == len(graph_worker.decode_graphs.buckets) * 3
+    assert runner.captured == at_start | {(1, 512), (1, 1024)}
+    assert runner.num_replays - replays == 30
+    assert runner.max_graphs == len(runner.buckets) * 3
     assert_same_outputs(graph, eager)
-    graph_worker.decode_graphs.capture(3, 2048)  # what start-up profiling captures ahead of use
-    assert graph_worker.decode_graphs.num_captured == 3
+    runner.capture(3, 2048)  # already captured at start: nothing new
+    assert runner.captured == at_start | {(1, 512), (1, 1024)}

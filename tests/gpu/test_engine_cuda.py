@@ -25,6 +25,7 @@ FP16_LOGITS_TOLERANCE = 5e-2
 GRAPH_LOGITS_TOLERANCE = 1e-4
 DEFAULT_MODEL_SETTINGS = dict(model=None, block_size=8, num_blocks=512)
 MODELS = ["qwen3-head-dim-tied", "qwen2-mqa-bias", "llama-gqa-derived-head-dim"]
+GRAPH_IDS = ["eager", "graphs"]  # ids of cuda_graph=False/True, so `-k graph` picks the graph cases
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -45,13 +46,28 @@ def mixed_scenario(driver: PlanDriver) -> None:
     driver.decode([1, 2, 3], 12)
 
 
+@pytest.fixture(scope="module")
+def cpu_mixed(checkpoint):
+    """cpu_mixed(name) -> the CPU worker's PlanDriver after mixed_scenario, run once per model
+    (the fp32 eager, fp32 graph and fp16 tests compare against the same run)."""
+    done: dict[str, PlanDriver] = {}
+
+    def get(name: str) -> PlanDriver:
+        if name not in done:
+            _, path = checkpoint(name)
+            done[name] = PlanDriver(make_worker(path, 4))
+            mixed_scenario(done[name])
+        return done[name]
+
+    return get
+
+
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("cuda_graph", [False, True])
-def test_fp32_greedy_tokens_equal_cpu(checkpoint, name, cuda_graph):
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=GRAPH_IDS)
+def test_fp32_greedy_tokens_equal_cpu(checkpoint, cpu_mixed, name, cuda_graph):
     _, path = checkpoint(name)
-    cpu = PlanDriver(make_worker(path, 4))
+    cpu = cpu_mixed(name)
     gpu = PlanDriver(make_worker(path, 4, device="cuda", cuda_graph=cuda_graph))
-    mixed_scenario(cpu)
     mixed_scenario(gpu)
     for seq_id, seq in cpu.seqs.items():
         assert gpu.seqs[seq_id].generated == seq.generated
@@ -60,10 +76,9 @@ def test_fp32_greedy_tokens_equal_cpu(checkpoint, name, cuda_graph):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_fp16_logits_within_tolerance_of_fp32_cpu(checkpoint, name):
+def test_fp16_logits_within_tolerance_of_fp32_cpu(checkpoint, cpu_mixed, name):
     _, path = checkpoint(name)
-    cpu = PlanDriver(make_worker(path, 16))
-    mixed_scenario(cpu)
+    cpu = cpu_mixed(name)
     gpu = PlanDriver(make_worker(path, 16, device="cuda", dtype="float16"))
     reference = {seq_id: list(seq.generated) for seq_id, seq in cpu.seqs.items()}
     teacher_forced = TeacherForcing(gpu, reference)
@@ -99,40 +114,55 @@ class TeacherForcing:
             self.step(dict.fromkeys(seq_ids))
 
 
+JOINS = {20: 2, 45: 3, 90: 4, 150: 5}  # step -> the sequence that joins (a prompt: an eager step)
+LEAVES = {70: 2, 130: 1, 180: 3}
+
+
 def long_decode_scenario(driver: PlanDriver, num_steps: int) -> None:
-    """Sequences join and leave while decoding crosses a block boundary every few steps."""
+    """Sequences join and leave while decoding crosses a block boundary every few steps; every
+    step without a join is pure decode (num_steps - len(JOINS) of them)."""
     p = prompts(5, seed=1)
     driver.add(1, p[0])
     driver.step({1: None})
     live = [1]
-    joins = {20: 2, 45: 3, 90: 4, 150: 5}
-    leaves = {70: 2, 130: 1, 180: 3}
     for step in range(num_steps):
         finished = []
-        if step in leaves:
-            finished = [leaves[step]]
-            live.remove(leaves[step])
+        if step in LEAVES:
+            finished = [LEAVES[step]]
+            live.remove(LEAVES[step])
         chunks = dict.fromkeys(live)
-        if step in joins:
-            driver.add(joins[step], p[joins[step] - 1][:5])
-            chunks[joins[step]] = None
-            live.append(joins[step])
+        if step in JOINS:
+            driver.add(JOINS[step], p[JOINS[step] - 1][:5])
+            chunks[JOINS[step]] = None
+            live.append(JOINS[step])
         driver.step(chunks, finished=finished)
 
 
+@pytest.fixture(scope="module")
+def default_workers():
+    """(graph worker, eager worker) on the embedded default model, started once for the tests
+    below (max_model_len 4096: graphs per context bucket, split-K planned for each); every
+    test resets them first, as a control plane's reconnect would."""
+    graph_worker = Worker(WorkerConfig(device="cuda", **DEFAULT_MODEL_SETTINGS))
+    eager_worker = Worker(WorkerConfig(device="cuda", cuda_graph=False, **DEFAULT_MODEL_SETTINGS))
+    return graph_worker, eager_worker
+
+
 @pytest.mark.parametrize("model", ["qwen3-head-dim-tied", "default"])
-def test_cuda_graph_decode_equals_eager_over_200_steps(checkpoint, model):
-    if model == "default":  # max_model_len 4096: graphs per context bucket, split-K planned for it
-        graph_worker = Worker(WorkerConfig(device="cuda", **DEFAULT_MODEL_SETTINGS))
-        eager_worker = Worker(WorkerConfig(device="cuda", cuda_graph=False, **DEFAULT_MODEL_SETTINGS))
+def test_cuda_graph_decode_equals_eager_over_200_steps(request, checkpoint, model):
+    if model == "default":
+        graph_worker, eager_worker = request.getfixturevalue("default_workers")
+        graph_worker.reset()
+        eager_worker.reset()
     else:
         _, path = checkpoint(model)
         graph_worker = make_worker(path, 4, device="cuda")
         eager_worker = make_worker(path, 4, device="cuda", cuda_graph=False)
     graph, eager = PlanDriver(graph_worker), PlanDriver(eager_worker)
+    replays = graph_worker.decode_graphs.num_replays
     long_decode_scenario(graph, 200)
     long_decode_scenario(eager, 200)
-    assert graph_worker.decode_graphs.num_captured >= 2
+    assert graph_worker.decode_graphs.num_replays - replays == 200 - len(JOINS), "pure decode steps replay"
     assert eager_worker.decode_graphs is None
     assert_same_outputs(graph, eager)
     graph_worker.reset()
@@ -165,28 +195,28 @@ def decode_batches_scenario(driver: PlanDriver, seed: int) -> None:
     driver.decode([1, 2, 3], 6)
 
 
-def test_cuda_graphs_recaptured_after_reset_match_eager():
+def test_cuda_graphs_recaptured_after_reset_match_eager(default_workers):
     """reset() drops the graphs (invalidate); the sequences the control plane then re-sends
-    (new block ids) must be captured anew and decode exactly like an eager worker."""
-    graph_worker = Worker(WorkerConfig(device="cuda", **DEFAULT_MODEL_SETTINGS))
-    eager_worker = Worker(WorkerConfig(device="cuda", cuda_graph=False, **DEFAULT_MODEL_SETTINGS))
-    before, eager_before = PlanDriver(graph_worker), PlanDriver(eager_worker)
-    decode_batches_scenario(before, seed=6)
-    decode_batches_scenario(eager_before, seed=6)
-    assert graph_worker.decode_graphs.num_captured == 2  # buckets 2 and 4
-    assert_same_outputs(before, eager_before)
-    graph_worker.reset()
-    eager_worker.reset()
-    assert graph_worker.decode_graphs.num_captured == 0
-    # Re-sent with other block ids, so a replay still reading the old tables would differ.
-    after, eager_after = PlanDriver(graph_worker, first_block=200), PlanDriver(eager_worker, first_block=200)
-    decode_batches_scenario(after, seed=8)
-    decode_batches_scenario(eager_after, seed=8)
-    assert graph_worker.decode_graphs.num_captured == 2, "graphs were not captured again after reset"
-    assert_same_outputs(after, eager_after)
+    (new block ids) must be captured anew and decode exactly like an eager worker. The
+    scenario's decode steps use batch buckets 2 and 4 at the smallest context bucket, 12 steps."""
+    graph_worker, eager_worker = default_workers
+    runner = graph_worker.decode_graphs
+    used = {(2, runner.context_buckets[0]), (4, runner.context_buckets[0])}
+    for seed, first_block in ((6, 1), (8, 200)):
+        graph_worker.reset()
+        eager_worker.reset()
+        assert runner.num_captured == 0
+        # The second round re-sends other block ids: a replay still reading old tables differs.
+        graph, eager = PlanDriver(graph_worker, first_block), PlanDriver(eager_worker, first_block)
+        replays = runner.num_replays
+        decode_batches_scenario(graph, seed=seed)
+        decode_batches_scenario(eager, seed=seed)
+        assert runner.captured == used, "graphs were not captured again after reset"
+        assert runner.num_replays - replays == 12
+        assert_same_outputs(graph, eager)
 
 
-@pytest.mark.parametrize("cuda_graph", [False, True])
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=GRAPH_IDS)
 def test_copy_on_write_on_gpu_matches_cpu(checkpoint, cuda_graph):
     _, path = checkpoint("qwen3-head-dim-tied")
     runs = []

@@ -50,7 +50,7 @@ def assert_served_from_codes(worker) -> None:
     assert worker.describe().quantization.endswith("packed codes")
 
 
-@pytest.mark.parametrize("cuda_graph", [False, True])
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
 def test_quantized_fp32_on_cuda_equals_the_cpu_reference(quantized_model, cuda_graph):
     cpu = PlanDriver(make_worker(quantized_model.path, 4, cpu_kernels="reference"))
     gpu = PlanDriver(make_worker(quantized_model.path, 4, device="cuda", cuda_graph=cuda_graph))

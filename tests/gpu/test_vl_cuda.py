@@ -13,7 +13,7 @@ NUM_TOKENS = 8
 
 
 @pytest.mark.parametrize("family", ["qwen3-vl", "qwen2.5-vl"])
-@pytest.mark.parametrize("cuda_graph", [False, True])
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
 def test_cuda_greedy_tokens_equal_transformers(tmp_path, family, cuda_graph):
     reference = build_vl_checkpoint(tmp_path, seed=2, family=family)
     proc = processor(tmp_path, family)

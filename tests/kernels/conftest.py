@@ -46,7 +46,8 @@ def kernel_cache_dir(tmp_path_factory):
 def compiled_programs(kernel_cache_dir) -> dict[tuple[ProgramSpec, str], CompiledProgram]:
     """(program, arch) -> CompiledProgram for every program in every CI arch."""
     jobs = [(spec, arch, str(kernel_cache_dir)) for spec in all_programs() for arch in ARCHS]
-    workers = max(1, min(2, os.cpu_count() or 1))
+    # Two by default (CI's 2 cores); .ci/gpu-device sets PAGEDKV_NVRTC_JOBS to use the GPU host's cores.
+    workers = int(os.environ.get("PAGEDKV_NVRTC_JOBS") or max(1, min(2, os.cpu_count() or 1)))
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         results = list(pool.map(compile_into, jobs))

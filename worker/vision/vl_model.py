@@ -93,7 +93,7 @@ class VisionLanguageLM(nn.Module):
         mm = config.multimodal
         inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
         model.rotary = MRotaryEmbedding(inv_freq, mm.mrope_section, mm.mrope_interleaved)
-        return model.eval()
+        return model.requires_grad_(False).eval()  # served, never trained: as CausalLM's
 
     def encode_images(
         self, patches: Tensor, grids: list[tuple[int, int, int]]
