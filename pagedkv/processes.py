@@ -177,6 +177,7 @@ async def _control_main(args) -> int:
     )
     options = EngineOptions(
         worker_grace_s=args.worker_grace,
+        worker_restart_wait_max_s=args.worker_restart_wait_max,
         step_liveness_s=args.step_liveness,
         plans_in_flight=1 if args.no_overlap else args.plans_in_flight,
     )

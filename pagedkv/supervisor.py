@@ -2,7 +2,8 @@
 
 Why the worker is restarted and the control plane is not: the control plane already survives
 a worker's death by itself (it reconnects to the same socket, sees a new instance id,
-recomputes live requests within `--worker-grace` or fails them with UNAVAILABLE, and reports
+recomputes live requests within the restart wait -- `--worker-grace`, or longer when the
+worker's last start took longer (control_plane/restart_wait.py) -- or fails them with UNAVAILABLE, and reports
 health NOT_SERVING meanwhile), so a new worker is all that recovery needs. A dead control plane
 has lost every client stream and its public port; restarting it behind the clients' backs
 would hide that, so `serve` stops the worker and exits non-zero and leaves the decision to
