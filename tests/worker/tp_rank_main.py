@@ -1,0 +1,74 @@
+"""One rank of a tensor-parallel group for tests/worker/test_tensor_parallel.py, as its own
+process: `python -m tests.worker.tp_rank_main RANK SIZE INIT_METHOD OUT MODEL_DIR...`.
+
+One group serves each model in turn (torch.distributed starts once per process). Rank 0
+drives it with the hand-rolled PlanDriver (a chunked prefill beside a whole one, then greedy
+decode) and saves each model's logits and tokens to OUT; the others follow until told to stop.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from base.plan_codec import encode_plan
+from tests.worker.worker_test_utils import PlanDriver
+from worker import WorkerConfig
+from worker.tp.group import EXECUTE, TPGroup
+from worker.tp.rank import GroupLeader, follow, rank_worker
+
+PROMPTS = [[3, 17, 42, 9, 88, 5, 61, 23, 7, 100, 11], [54, 2, 77, 31]]
+DECODE_STEPS = 10
+
+
+def config_for(model_dir: str) -> WorkerConfig:
+    return WorkerConfig(model=model_dir, block_size=4, num_blocks=64, cpu_kernels="reference")
+
+
+class _Leading:
+    """The driver's worker: each plan goes to the followers first (as GroupLeader.execute)."""
+
+    def __init__(self, worker, group) -> None:
+        self.worker, self.group = worker, group
+
+    def describe(self):
+        return self.worker.describe()
+
+    def execute_with_logits(self, plan):
+        self.group.send(EXECUTE, encode_plan(plan).SerializeToString())
+        return self.worker.execute_with_logits(plan)
+
+
+def drive(worker) -> dict:
+    driver = PlanDriver(worker)
+    a, b = (driver.add(i + 1, p) for i, p in enumerate(PROMPTS))
+    driver.step({a.seq_id: 6, b.seq_id: None})
+    driver.step({a.seq_id: None, b.seq_id: None})
+    driver.decode([a.seq_id, b.seq_id], DECODE_STEPS)
+    return {
+        "tokens": [a.generated, b.generated],
+        "logits": torch.cat([torch.stack(a.logits), torch.stack(b.logits)]),
+    }
+
+
+def main(rank: int, size: int, init: str, out: str, model_dirs: list[str]) -> int:
+    torch.set_num_threads(1)  # the cores split between ranks
+    group = TPGroup(rank, size, init, torch.device("cpu"), step_timeout_s=120.0)
+    results = {}
+    for model_dir in model_dirs:
+        worker = rank_worker(config_for(model_dir), group)
+        if rank != 0:
+            follow(worker, group)
+            continue
+        results[model_dir] = drive(_Leading(worker, group))
+        GroupLeader(worker, group).stop()
+    if rank == 0:
+        torch.save(results, out)
+    group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    r, n, init, out, *models = sys.argv[1:]
+    sys.exit(main(int(r), int(n), init, out, models))

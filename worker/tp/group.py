@@ -1,0 +1,138 @@
+"""The ranks of one tensor-parallel group, on torch.distributed (gloo on CPU, NCCL on CUDA).
+
+Three process groups over the same ranks, each for one kind of wait:
+
+    commands  rank 0 -> all: what to run next (a plan's bytes, reset, stop). Followers idle
+              here between plans for as long as the server idles, so it never times out.
+    compute   the forward's all-reduces and the logits' all-gather. A rank that does not
+              arrive within `step_timeout_s` breaks the step (GroupBroken).
+    monitor   after a broken step, a monitored barrier (gloo) that names the ranks that did
+              not arrive: "a rank hangs" becomes "rank 1 hangs".
+
+Commands travel as two broadcasts, a header [kind, length] and the payload bytes; the plan is
+the Worker proto's bytes (base.plan_codec), so every rank decodes exactly what rank 0 ran.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from base.logs import get_logger
+
+log = get_logger("pagedkv.worker")
+
+EXECUTE, RESET, STOP = 1, 2, 3
+NEVER = timedelta(days=3650)  # the commands group: a server may idle for as long as it likes
+MONITOR_TIMEOUT = timedelta(seconds=5)
+
+
+class GroupBroken(RuntimeError):
+    """A collective failed: a rank died (its connection closed) or hung (the step timeout).
+    The group cannot continue; its processes exit and are restarted together."""
+
+
+class TPGroup:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        init_method: str,
+        device: torch.device,
+        step_timeout_s: float,
+        start_timeout_s: float = 600.0,
+    ) -> None:
+        self.rank, self.size = rank, size
+        self.step_timeout_s = step_timeout_s
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=start_timeout_s),
+        )
+        # Plans are host bytes: the commands and the monitor stay on gloo even beside NCCL.
+        self.commands = dist.new_group(backend="gloo", timeout=NEVER)
+        self.compute = dist.new_group(backend=backend, timeout=timedelta(seconds=step_timeout_s))
+        self.monitor = dist.new_group(backend="gloo", timeout=MONITOR_TIMEOUT)
+        self.device = device
+        self.step = 0  # the plan the group runs (for the messages)
+
+    # -- the forward's collectives (worker.tp.sharded_model.Collectives) -----------------------
+    def all_reduce(self, tensor: Tensor) -> None:
+        self._guard(lambda: dist.all_reduce(tensor, group=self.compute))
+
+    def all_gather_last(self, tensor: Tensor) -> Tensor:
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._guard(lambda: dist.all_gather(parts, tensor, group=self.compute))
+        return torch.cat(parts, dim=-1)
+
+    def _guard(self, collective) -> None:
+        try:
+            collective()
+        except RuntimeError as exc:  # gloo / NCCL errors (DistBackendError is one)
+            raise self.broken(exc) from None
+
+    def broken(self, exc: BaseException) -> GroupBroken:
+        """What went wrong, with the ranks that did not arrive when some hang."""
+        missing = self.missing_ranks()
+        who = f"rank(s) {', '.join(map(str, missing))} did not answer" if missing else "a rank failed"
+        return GroupBroken(
+            f"tensor-parallel group broken at step {self.step}: {who} within the "
+            f"{self.step_timeout_s:g}s step timeout ({type(exc).__name__}: {str(exc)[:300]})"
+        )
+
+    def missing_ranks(self) -> list[int]:
+        """The ranks that do not reach a monitored barrier in MONITOR_TIMEOUT (rank 0 asks;
+        the others only take part)."""
+        try:
+            dist.monitored_barrier(group=self.monitor, timeout=MONITOR_TIMEOUT, wait_all_ranks=True)
+        except RuntimeError as exc:
+            text = str(exc)
+            return [r for r in range(1, self.size) if f"{r}" in _ranks_part(text)] or [-1]
+        return []
+
+    # -- commands: rank 0 sends, the others receive -------------------------------------------
+    def send(self, kind: int, payload: bytes = b"") -> None:
+        header = torch.tensor([kind, len(payload)], dtype=torch.int64)
+        try:
+            dist.broadcast(header, 0, group=self.commands)
+            if payload:
+                dist.broadcast(
+                    torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0, group=self.commands
+                )
+        except RuntimeError as exc:
+            raise self.broken(exc) from None
+
+    def receive(self) -> tuple[int, bytes]:
+        header = torch.empty(2, dtype=torch.int64)
+        try:
+            dist.broadcast(header, 0, group=self.commands)
+            kind, length = int(header[0]), int(header[1])
+            payload = torch.empty(length, dtype=torch.uint8)
+            if length:
+                dist.broadcast(payload, 0, group=self.commands)
+        except RuntimeError as exc:
+            raise GroupBroken(f"tensor-parallel rank {self.rank}: lost rank 0 ({exc})") from None
+        return kind, payload.numpy().tobytes()
+
+    def agree(self, value: object) -> list[object]:
+        """Every rank's `value`, on every rank (start-up checks)."""
+        out: list[object] = [None] * self.size
+        dist.all_gather_object(out, value)
+        return out
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _ranks_part(text: str) -> str:
+    """The rank list of gloo's "Ranks 1, 3 failed to pass monitoredBarrier ..." message."""
+    head = text.split("failed to pass", 1)[0]
+    return head.rsplit("Rank", 1)[-1]
