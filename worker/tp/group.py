@@ -9,12 +9,15 @@ Three process groups over the same ranks, each for one kind of wait:
     monitor   after a broken step, a monitored barrier (gloo) that names the ranks that did
               not arrive: "a rank hangs" becomes "rank 1 hangs".
 
+Rank 0 bounds its sends by the step timeout (the followers' receives have none), so a follower
+that hangs between steps is found as surely as one that hangs inside the forward.
 Commands travel as two broadcasts, a header [kind, length] and the payload bytes; the plan is
 the Worker proto's bytes (base.plan_codec), so every rank decodes exactly what rank 0 ran.
 """
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import torch
@@ -81,10 +84,15 @@ class TPGroup:
     def broken(self, exc: BaseException) -> GroupBroken:
         """What went wrong, with the ranks that did not arrive when some hang."""
         missing = self.missing_ranks()
-        who = f"rank(s) {', '.join(map(str, missing))} did not answer" if missing else "a rank failed"
+        if missing == [-1]:
+            who = "a rank died or hung (the monitored barrier did not say which)"
+        elif missing:
+            who = f"rank(s) {', '.join(map(str, missing))} did not answer"
+        else:
+            who = "every rank is alive but a collective failed"
         return GroupBroken(
-            f"tensor-parallel group broken at step {self.step}: {who} within the "
-            f"{self.step_timeout_s:g}s step timeout ({type(exc).__name__}: {str(exc)[:300]})"
+            f"tensor-parallel group broken at step {self.step}: {who} (step timeout "
+            f"{self.step_timeout_s:g}s; {type(exc).__name__}: {str(exc)[:300]})"
         )
 
     def missing_ranks(self) -> list[int]:
@@ -93,19 +101,21 @@ class TPGroup:
         try:
             dist.monitored_barrier(group=self.monitor, timeout=MONITOR_TIMEOUT, wait_all_ranks=True)
         except RuntimeError as exc:
-            text = str(exc)
-            return [r for r in range(1, self.size) if f"{r}" in _ranks_part(text)] or [-1]
+            found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(exc))
+            return [int(r) for r in found.group(1).replace(",", " ").split()] if found else [-1]
         return []
 
     # -- commands: rank 0 sends, the others receive -------------------------------------------
     def send(self, kind: int, payload: bytes = b"") -> None:
+        """Rank 0 only. Bounded by the step timeout although the group's is NEVER: a gloo
+        broadcast waits for the receivers to be ready, and a hung rank never is."""
         header = torch.tensor([kind, len(payload)], dtype=torch.int64)
+        timeout = timedelta(seconds=self.step_timeout_s)
         try:
-            dist.broadcast(header, 0, group=self.commands)
+            dist.broadcast(header, 0, group=self.commands, async_op=True).wait(timeout)
             if payload:
-                dist.broadcast(
-                    torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0, group=self.commands
-                )
+                data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                dist.broadcast(data, 0, group=self.commands, async_op=True).wait(timeout)
         except RuntimeError as exc:
             raise self.broken(exc) from None
 
@@ -130,9 +140,3 @@ class TPGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _ranks_part(text: str) -> str:
-    """The rank list of gloo's "Ranks 1, 3 failed to pass monitoredBarrier ..." message."""
-    head = text.split("failed to pass", 1)[0]
-    return head.rsplit("Rank", 1)[-1]
