@@ -20,6 +20,7 @@ from worker.tp.rank import GroupLeader, follow, rank_worker
 
 PROMPTS = [[3, 17, 42, 9, 88, 5, 61, 23, 7, 100, 11], [54, 2, 77, 31]]
 DECODE_STEPS = 10
+ECHO = 99  # a command kind no rank runs: the test's own
 
 
 def config_for(model_dir: str) -> WorkerConfig:
@@ -63,8 +64,13 @@ def main(rank: int, size: int, init: str, out: str, model_dirs: list[str]) -> in
             continue
         results[model_dir] = drive(_Leading(worker, group))
         GroupLeader(worker, group).stop()
+    # A command larger than the first broadcast's inline room takes the second broadcast.
+    big = bytes(range(256)) * 40  # 10,240 bytes
     if rank == 0:
+        group.send(ECHO, big)
         torch.save(results, out)
+    elif group.receive() != (ECHO, big):
+        return 5
     group.close()
     return 0
 

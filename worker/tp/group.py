@@ -11,13 +11,15 @@ Three process groups over the same ranks, each for one kind of wait:
 
 Rank 0 bounds its sends by the step timeout (the followers' receives have none), so a follower
 that hangs between steps is found as surely as one that hangs inside the forward.
-Commands travel as two broadcasts, a header [kind, length] and the payload bytes; the plan is
+A command is one broadcast of a fixed 4 KiB message, [kind, length, payload] (a decode plan of
+a few dozen sequences fits), or that plus a second broadcast of a larger payload; the plan is
 the Worker proto's bytes (base.plan_codec), so every rank decodes exactly what rank 0 ran.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from datetime import timedelta
 
 import torch
@@ -31,6 +33,8 @@ log = get_logger("pagedkv.worker")
 EXECUTE, RESET, STOP = 1, 2, 3
 NEVER = timedelta(days=3650)  # the commands group: a server may idle for as long as it likes
 MONITOR_TIMEOUT = timedelta(seconds=5)
+HEADER_BYTES = 16  # kind, payload length (int64 each)
+INLINE_BYTES = 4080  # a payload this small rides in the header's broadcast: one message a plan
 
 
 class GroupBroken(RuntimeError):
@@ -64,22 +68,28 @@ class TPGroup:
         self.monitor = dist.new_group(backend="gloo", timeout=MONITOR_TIMEOUT)
         self.device = device
         self.step = 0  # the plan the group runs (for the messages)
+        # Seconds spent in each kind of communication, and how many (bench/tensor_parallel.py).
+        self.seconds = {"all_reduce": 0.0, "all_gather": 0.0, "send": 0.0}
+        self.calls = dict.fromkeys(self.seconds, 0)
 
     # -- the forward's collectives (worker.tp.sharded_model.Collectives) -----------------------
     def all_reduce(self, tensor: Tensor) -> None:
-        self._guard(lambda: dist.all_reduce(tensor, group=self.compute))
+        self._guard("all_reduce", lambda: dist.all_reduce(tensor, group=self.compute))
 
     def all_gather_last(self, tensor: Tensor) -> Tensor:
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._guard(lambda: dist.all_gather(parts, tensor, group=self.compute))
+        self._guard("all_gather", lambda: dist.all_gather(parts, tensor, group=self.compute))
         return torch.cat(parts, dim=-1)
 
-    def _guard(self, collective) -> None:
+    def _guard(self, kind: str, collective) -> None:
+        started = time.perf_counter()
         try:
             collective()
         except RuntimeError as exc:  # gloo / NCCL errors (DistBackendError is one)
             raise self.broken(exc) from None
+        self.seconds[kind] += time.perf_counter() - started
+        self.calls[kind] += 1
 
     def broken(self, exc: BaseException) -> GroupBroken:
         """What went wrong, with the ranks that did not arrive when some hang."""
@@ -109,24 +119,28 @@ class TPGroup:
     def send(self, kind: int, payload: bytes = b"") -> None:
         """Rank 0 only. Bounded by the step timeout although the group's is NEVER: a gloo
         broadcast waits for the receivers to be ready, and a hung rank never is."""
-        header = torch.tensor([kind, len(payload)], dtype=torch.int64)
+        message = _message(kind, payload)
         timeout = timedelta(seconds=self.step_timeout_s)
+        started = time.perf_counter()
         try:
-            dist.broadcast(header, 0, group=self.commands, async_op=True).wait(timeout)
-            if payload:
+            dist.broadcast(message, 0, group=self.commands, async_op=True).wait(timeout)
+            if len(payload) > INLINE_BYTES:
                 data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
                 dist.broadcast(data, 0, group=self.commands, async_op=True).wait(timeout)
         except RuntimeError as exc:
             raise self.broken(exc) from None
+        self.seconds["send"] += time.perf_counter() - started
+        self.calls["send"] += 1
 
     def receive(self) -> tuple[int, bytes]:
-        header = torch.empty(2, dtype=torch.int64)
+        message = torch.empty(HEADER_BYTES + INLINE_BYTES, dtype=torch.uint8)
         try:
-            dist.broadcast(header, 0, group=self.commands)
-            kind, length = int(header[0]), int(header[1])
+            dist.broadcast(message, 0, group=self.commands)
+            kind, length = (int(v) for v in message[:HEADER_BYTES].view(torch.int64))
+            if length <= INLINE_BYTES:
+                return kind, message[HEADER_BYTES : HEADER_BYTES + length].numpy().tobytes()
             payload = torch.empty(length, dtype=torch.uint8)
-            if length:
-                dist.broadcast(payload, 0, group=self.commands)
+            dist.broadcast(payload, 0, group=self.commands)
         except RuntimeError as exc:
             raise GroupBroken(f"tensor-parallel rank {self.rank}: lost rank 0 ({exc})") from None
         return kind, payload.numpy().tobytes()
@@ -140,3 +154,14 @@ class TPGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _message(kind: int, payload: bytes) -> torch.Tensor:
+    """The fixed-size first broadcast: header, then the payload when it fits."""
+    message = torch.zeros(HEADER_BYTES + INLINE_BYTES, dtype=torch.uint8)
+    message[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor([kind, len(payload)]))
+    if 0 < len(payload) <= INLINE_BYTES:
+        message[HEADER_BYTES : HEADER_BYTES + len(payload)] = torch.frombuffer(
+            bytearray(payload), dtype=torch.uint8
+        )
+    return message
