@@ -7,12 +7,15 @@ same tokens. No timing assertions: conditions are polled under hang guards.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,24 +33,26 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(serve process, address, stderr path, greedy oracle) for a TP=2 group on a tiny Llama
+    """The serve process, its gRPC address and OpenAI URL, its stderr path and the greedy
+    oracle (transformers) for a TP=2 group on a tiny Llama
     whose pool (24 blocks of 4 tokens) cannot hold six streams at once: they preempt."""
     tmp = tmp_path_factory.mktemp("tp-serve")
     reference_model = build_checkpoint(tmp / "model", CHECKPOINTS["llama-gqa-derived-head-dim"])
     err = tmp / "serve.err"
     cmd = [*CLI, "serve", "--port", "0", "--model", str(tmp / "model"), "--tensor-parallel-size", "2"]
-    cmd += ["--block-size", "4", "--num-blocks", "24", "--tp-step-timeout", "5"]
+    cmd += ["--block-size", "4", "--num-blocks", "24", "--tp-step-timeout", "5", "--http-port", "0"]
     out = tmp / "serve.out"
     proc = subprocess.Popen(cmd, stdout=out.open("w"), stderr=err.open("w"))
     deadline = time.monotonic() + START_TIMEOUT_S
-    while "pagedkv serving" not in out.read_text():
+    while "OpenAI-compatible HTTP API" not in out.read_text():  # printed after the gRPC banner
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"serve not ready: {out.read_text()}\n{err.read_text()}")
         time.sleep(0.1)
     address = out.read_text().split(" on ", 1)[1].split()[0]
     oracle = {tuple(p): hf_greedy(reference_model, p, MAX_TOKENS) for p in PROMPTS}
-    yield proc, address, err, oracle
+    http_url = out.read_text().split("OpenAI-compatible HTTP API: ", 1)[1].split()[0]
+    yield SimpleNamespace(proc=proc, address=address, err=err, oracle=oracle, http_url=http_url)
     assert _stop(proc) == 0
 
 
@@ -99,7 +104,7 @@ def _assert_pool_free(client: Client) -> None:
 
 
 def test_concurrent_greedy_streams_preempt_and_equal_transformers(served):
-    proc, address, _, oracle = served
+    address, oracle = served.address, served.oracle
     with Client(address, timeout=60) as client:
         before = client.stats().num_preemptions
         tokens = _Streams(address, PROMPTS).join()
@@ -109,7 +114,7 @@ def test_concurrent_greedy_streams_preempt_and_equal_transformers(served):
 
 
 def test_prefix_hits_and_parallel_samples(served):
-    proc, address, _, oracle = served
+    address, oracle = served.address, served.oracle
     prompt = PROMPTS[0] + PROMPTS[1]  # 12 tokens: three full blocks to share
     with Client(address, timeout=60) as client:
         first = client.complete(token_ids=prompt, max_tokens=8, ignore_eos=True)[0].token_ids
@@ -121,10 +126,24 @@ def test_prefix_hits_and_parallel_samples(served):
         _assert_pool_free(client)
 
 
+def test_openai_completions_through_the_group(served):
+    """The OpenAI front (a client of the control plane) on the same group: token-id prompt,
+    greedy, the sampled ids read back from logprobs (this checkpoint has no tokenizer)."""
+    prompt = PROMPTS[3]
+    body = {"model": "model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1}
+    request = urllib.request.Request(
+        f"{served.http_url}/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=STREAM_DEADLINE_S) as response:
+        choice = json.loads(response.read())["choices"][0]
+    tokens = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+    assert tokens == served.oracle[tuple(prompt)]
+
+
 def _disturb_a_rank(served, sig: int, logged: str) -> None:
     """Four streams; once they are under way, send `sig` to rank 1. They must finish with the
     undisturbed tokens after the group's restart, and the pool must be all free."""
-    proc, address, err, oracle = served
+    proc, address, err, oracle = served.proc, served.address, served.err, served.oracle
     prompts = PROMPTS[:4]
     with Client(address, timeout=60) as client:
         instance = client.model_info().facts.instance_id
