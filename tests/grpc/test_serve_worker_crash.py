@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import threading
 import time
 
 import pytest
 
 from pagedkv.client import Client
+from tests.grpc.served_streams import StreamThreads
 from tests.grpc.test_processes import CLI, START_TIMEOUT_S, _stop
 from tests.grpc.test_supervisor import _child, _wait_for
 
@@ -42,38 +42,11 @@ def _serve_default(tmp_path) -> tuple[subprocess.Popen, str]:
     return proc, out.read_text().split(" on ", 1)[1].split()[0]
 
 
-class _Streams:
-    """NUM_STREAMS greedy streams in threads; counts tokens as they arrive."""
-
-    def __init__(self, address: str) -> None:
-        self.tokens: list[list[int]] = [[] for _ in PROMPTS]
-        self.errors: list[BaseException] = []
-        self.threads = [
-            threading.Thread(target=self._run, args=(address, i), daemon=True) for i in range(NUM_STREAMS)
-        ]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, address: str, i: int) -> None:
-        try:
-            with Client(address, timeout=STREAM_DEADLINE_S) as client:
-                for msg in client.generate(token_ids=PROMPTS[i], max_tokens=MAX_TOKENS, ignore_eos=True):
-                    self.tokens[i].extend(msg.token_ids)
-        except BaseException as e:  # reported by the test thread
-            self.errors.append(e)
-
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
-    def join(self) -> list[list[int]]:
-        for t in self.threads:
-            t.join(STREAM_DEADLINE_S + 30)
-        assert not any(t.is_alive() for t in self.threads), "a stream hung past its deadline"
-        assert not self.errors, self.errors[:3]
-        return self.tokens
+def _streams(address: str) -> StreamThreads:
+    return StreamThreads(address, PROMPTS, MAX_TOKENS, STREAM_DEADLINE_S)
 
 
-def _kill_worker_under_load(proc, client: Client, streams: _Streams, at_tokens: int) -> None:
+def _kill_worker_under_load(proc, client: Client, streams: StreamThreads, at_tokens: int) -> None:
     """Once the streams hold `at_tokens` tokens, SIGKILL the worker; return when its successor
     is attached and the streams make progress again."""
     _wait_for(lambda: streams.num_tokens() >= at_tokens or streams.errors, f"{at_tokens} tokens streamed")
@@ -89,9 +62,9 @@ def test_sixteen_streams_survive_two_worker_kills_with_default_flags(tmp_path):
     proc, address = _serve_default(tmp_path)
     try:
         with Client(address, timeout=60) as client:
-            reference = _Streams(address).join()
+            reference = _streams(address).join()
             assert all(len(t) == MAX_TOKENS for t in reference)
-            streams = _Streams(address)
+            streams = _streams(address)
             total = NUM_STREAMS * MAX_TOKENS
             _kill_worker_under_load(proc, client, streams, total // 6)
             _kill_worker_under_load(proc, client, streams, streams.num_tokens() + total // 6)

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -20,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from pagedkv.client import Client
+from tests.grpc.served_streams import StreamThreads
 from tests.grpc.test_processes import CLI, START_TIMEOUT_S, _children, _stop
 from tests.grpc.test_supervisor import _wait_for
 from tests.worker.worker_test_utils import CHECKPOINTS, build_checkpoint, hf_greedy
@@ -67,36 +67,6 @@ def _rank_pid(serve_pid: int, rank: int) -> int | None:
     return None
 
 
-class _Streams:
-    def __init__(self, address: str, prompts: list[list[int]], **kw) -> None:
-        self.tokens: list[list[int]] = [[] for _ in prompts]
-        self.errors: list[BaseException] = []
-        self.threads = [
-            threading.Thread(target=self._run, args=(address, i, p, kw), daemon=True)
-            for i, p in enumerate(prompts)
-        ]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, address, i, prompt, kw) -> None:
-        try:
-            with Client(address, timeout=STREAM_DEADLINE_S) as client:
-                for msg in client.generate(token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, **kw):
-                    self.tokens[i].extend(msg.token_ids)
-        except BaseException as e:  # reported by the test thread
-            self.errors.append(e)
-
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
-    def join(self) -> list[list[int]]:
-        for t in self.threads:
-            t.join(STREAM_DEADLINE_S + 30)
-        assert not any(t.is_alive() for t in self.threads), "a stream hung past its deadline"
-        assert not self.errors, self.errors[:3]
-        return self.tokens
-
-
 def _assert_pool_free(client: Client) -> None:
     _wait_for(lambda: client.stats().num_live_requests == 0, "no live request")
     s = client.stats()
@@ -107,7 +77,7 @@ def test_concurrent_greedy_streams_preempt_and_equal_transformers(served):
     address, oracle = served.address, served.oracle
     with Client(address, timeout=60) as client:
         before = client.stats().num_preemptions
-        tokens = _Streams(address, PROMPTS).join()
+        tokens = StreamThreads(address, PROMPTS, MAX_TOKENS, STREAM_DEADLINE_S).join()
         assert tokens == [oracle[tuple(p)] for p in PROMPTS]
         assert client.stats().num_preemptions > before  # six streams in a pool for about three
         _assert_pool_free(client)
@@ -147,7 +117,7 @@ def _disturb_a_rank(served, sig: int, logged: str) -> None:
     prompts = PROMPTS[:4]
     with Client(address, timeout=60) as client:
         instance = client.model_info().facts.instance_id
-        streams = _Streams(address, prompts)
+        streams = StreamThreads(address, prompts, MAX_TOKENS, STREAM_DEADLINE_S)
         _wait_for(lambda: streams.num_tokens() >= 8 or streams.errors, "tokens streamed")
         rank1 = _rank_pid(proc.pid, 1)
         os.kill(rank1, sig)
