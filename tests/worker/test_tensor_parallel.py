@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU (gloo): N rank processes serve exactly what one worker serves.
 
-Greedy tokens of TP=2 (and TP=4 for a model with one KV head, replicated on every rank) equal
-TP=1's, and the logits agree to fp32 rounding, for Llama (GQA), Qwen2 (biases, MQA: fewer KV
+Greedy and sampled tokens of TP=2 (and TP=4 for a model with one KV head, replicated on every
+rank) equal TP=1's, and the logits agree to fp32 rounding, for Llama (GQA), Qwen2 (biases, MQA: fewer KV
 heads than ranks), Qwen2 with tied embeddings and a vocabulary the ranks do not divide (the
 last part padded) and Qwen3 (q/k norms, tied). TP=1 is the reference forward on the whole
 checkpoint; that forward is itself checked against transformers in test_hf_equivalence.py.

@@ -2,8 +2,8 @@
 process: `python -m tests.worker.tp_rank_main RANK SIZE INIT_METHOD OUT MODEL_DIR...`.
 
 One group serves each model in turn (torch.distributed starts once per process). Rank 0
-drives it with the hand-rolled PlanDriver (a chunked prefill beside a whole one, then greedy
-decode) and saves each model's logits and tokens to OUT; the others follow until told to stop.
+drives it with the hand-rolled PlanDriver (a chunked prefill beside whole ones, then decode;
+greedy and sampled) and saves each model's logits and tokens to OUT; the others follow until told to stop.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from base.plan import SamplingParams
 from base.plan_codec import encode_plan
 from tests.worker.worker_test_utils import PlanDriver
 from worker import WorkerConfig
@@ -42,14 +43,17 @@ class _Leading:
 
 
 def drive(worker) -> dict:
+    """Two greedy sequences (one prefilled in chunks) and one sampled from the worker's own
+    generator (every rank draws the same: the same seed, the same gathered logits)."""
     driver = PlanDriver(worker)
     a, b = (driver.add(i + 1, p) for i, p in enumerate(PROMPTS))
-    driver.step({a.seq_id: 6, b.seq_id: None})
-    driver.step({a.seq_id: None, b.seq_id: None})
-    driver.decode([a.seq_id, b.seq_id], DECODE_STEPS)
+    c = driver.add(3, PROMPTS[1], sampling=SamplingParams(temperature=1.0))
+    driver.step({a.seq_id: 6, b.seq_id: None, c.seq_id: None})
+    driver.step({a.seq_id: None, b.seq_id: None, c.seq_id: None})
+    driver.decode([a.seq_id, b.seq_id, c.seq_id], DECODE_STEPS)
     return {
-        "tokens": [a.generated, b.generated],
-        "logits": torch.cat([torch.stack(a.logits), torch.stack(b.logits)]),
+        "tokens": [a.generated, b.generated, c.generated],
+        "logits": torch.cat([torch.stack(s.logits) for s in (a, b, c)]),
     }
 
 
