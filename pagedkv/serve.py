@@ -21,6 +21,10 @@ supervisor itself dies (Linux parent-death signal), so they are never orphaned.
 `--metrics-port P`: the control plane serves Prometheus /metrics on P, the worker on P + 1
 (`--metrics-port 0`: both on any free port; the control plane's is printed).
 
+`--tensor-parallel-size N`: the worker is N rank processes (rank 0 listens on the socket, the
+others join its torch.distributed group; pagedkv/tp_cli.py), supervised as one group: any
+rank's exit restarts them all.
+
 `--http-port P`: a third child, `pagedkv openai`, serves the OpenAI-compatible HTTP API on P
 as a client of the control plane's port (docs/OPENAI.md); started once the control plane is
 SERVING, stopped first, and like the control plane not restarted (its exit stops `serve`).
