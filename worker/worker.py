@@ -331,19 +331,21 @@ class Worker:
         self.forward_fallback_reason = ""
         if self.device.type != "cpu" or self.config.cpu_kernels == "reference":
             return None
-        if self.shard is not None:
-            reason = "tensor-parallel ranks run the reference forward (no all-reduce seam in the fused one)"
-        elif self.vision is not None:
-            reason = "vision-language models run the reference forward"
-        else:
-            reason = fast_forward_unavailable(self.model, self.device, self.dtype)
+        reason = (
+            "vision-language models run the reference forward"
+            if self.vision is not None
+            else fast_forward_unavailable(self.model, self.device, self.dtype)
+        )
         if reason is not None:
             if self.config.cpu_kernels == "fast":
                 raise WorkerConfigError(f"--cpu-kernels fast: the fused CPU forward cannot run: {reason}")
             self.forward_fallback_reason = reason
             log.warning("worker.cpu_kernels_reference", reason=f"fast CPU forward unavailable: {reason}")
             return None
-        forward = FastCpuForward(self.model, lm_head_int8=self.config.lm_head_int8)
+        if self.shard is not None:  # one rank's slices, with the group's collectives (worker/tp)
+            forward = self.shard.fast_forward(self.model, self.config.lm_head_int8)
+        else:
+            forward = FastCpuForward(self.model, lm_head_int8=self.config.lm_head_int8)
         log.info(
             "worker.cpu_kernels",
             variant=forward.variant,

@@ -3,8 +3,9 @@
 Greedy and sampled tokens of TP=2 (and TP=4 for a model with one KV head, replicated on every
 rank) equal TP=1's, and the logits agree to fp32 rounding, for Llama (GQA), Qwen2 (biases, MQA: fewer KV
 heads than ranks), Qwen2 with tied embeddings and a vocabulary the ranks do not divide (the
-last part padded) and Qwen3 (q/k norms, tied). TP=1 is the reference forward on the whole
-checkpoint; that forward is itself checked against transformers in test_hf_equivalence.py.
+last part padded), Qwen3 (q/k norms, tied) and Llama with o / down biases, on both CPU
+forwards. TP=1 is one worker on the whole checkpoint with the same forward; those forwards are
+themselves checked against transformers in test_hf_equivalence.py / test_cpu_forward.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from tests.cpu_kernels import load_ops
 from tests.worker import tp_rank_main
 from tests.worker.worker_test_utils import CHECKPOINTS, CheckpointSpec, build_checkpoint
 from worker import Worker
@@ -29,6 +31,8 @@ TP_MODELS = {
     "qwen2-mqa-bias": CHECKPOINTS["qwen2-mqa-bias"],
     "qwen2-tied-odd-vocab": CheckpointSpec("Qwen2Config", {"tie_word_embeddings": True, "vocab_size": 125}),
     "qwen3-head-dim-tied": CHECKPOINTS["qwen3-head-dim-tied"],
+    # o_proj and down_proj biases: added once (rank 0 holds them) after the all-reduce's sum
+    "llama-biases": CheckpointSpec("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
 }
 
 
@@ -38,11 +42,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_group(size: int, model_dirs: list[str], out) -> dict:
+def run_group(size: int, model_dirs: list[str], out, kernels: str = "reference") -> dict:
     """Start `size` rank processes on `model_dirs`; rank 0's results per model."""
     init = f"tcp://127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "tests.worker.tp_rank_main"]
-    procs = [subprocess.Popen([*cmd, str(r), str(size), init, str(out), *model_dirs]) for r in range(size)]
+    args = [str(size), init, str(out), kernels, *model_dirs]
+    procs = [subprocess.Popen([*cmd, str(r), *args]) for r in range(size)]
     try:
         codes = [p.wait(RANK_TIMEOUT_S) for p in procs]
     finally:
@@ -65,11 +70,21 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def tp2(model_dirs, tmp_path_factory) -> dict:
+    """Rank 0's results per model dir, on the reference forward (the torch model)."""
     return run_group(2, list(model_dirs.values()), tmp_path_factory.mktemp("tp2") / "out.pt")
 
 
-def _assert_same_as_one_worker(result: dict, model_dir: str) -> None:
-    reference = tp_rank_main.drive(Worker(tp_rank_main.config_for(model_dir)))
+@pytest.fixture(scope="module")
+def tp2_fast(model_dirs, tmp_path_factory) -> dict:
+    """The same on the fused CPU kernels per rank (worker/tp/cpu_forward.py)."""
+    load_ops()  # skips, saying why, where the kernels cannot run here
+    return run_group(2, list(model_dirs.values()), tmp_path_factory.mktemp("tp2-fast") / "out.pt", "fast")
+
+
+def _assert_same_as_one_worker(result: dict, model_dir: str, kernels: str = "reference") -> None:
+    """Against one worker with the same forward (fast vs fast: the fused kernels reorder float
+    math, so each is compared with its own kind; both are checked against transformers elsewhere)."""
+    reference = tp_rank_main.drive(Worker(tp_rank_main.config_for(model_dir, kernels)))
     assert result["tokens"] == reference["tokens"]
     error = (result["logits"] - reference["logits"]).abs().max().item()
     assert error <= 1e-5 * reference["logits"].abs().max().item(), error
@@ -78,6 +93,11 @@ def _assert_same_as_one_worker(result: dict, model_dir: str) -> None:
 @pytest.mark.parametrize("name", list(TP_MODELS))
 def test_tp2_equals_one_worker(tp2, model_dirs, name):
     _assert_same_as_one_worker(tp2[model_dirs[name]], model_dirs[name])
+
+
+@pytest.mark.parametrize("name", list(TP_MODELS))
+def test_tp2_fast_cpu_forward_equals_one_fast_worker(tp2_fast, model_dirs, name):
+    _assert_same_as_one_worker(tp2_fast[model_dirs[name]], model_dirs[name], "fast")
 
 
 def test_tp4_replicates_a_single_kv_head(model_dirs, tmp_path):

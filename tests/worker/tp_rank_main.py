@@ -1,5 +1,6 @@
 """One rank of a tensor-parallel group for tests/worker/test_tensor_parallel.py, as its own
-process: `python -m tests.worker.tp_rank_main RANK SIZE INIT_METHOD OUT MODEL_DIR...`.
+process: `python -m tests.worker.tp_rank_main RANK SIZE INIT_METHOD OUT KERNELS MODEL_DIR...`
+(KERNELS: the --cpu-kernels of every rank, "reference" or "fast").
 
 One group serves each model in turn (torch.distributed starts once per process). Rank 0
 drives it with the hand-rolled PlanDriver (a chunked prefill beside whole ones, then decode;
@@ -24,8 +25,8 @@ DECODE_STEPS = 10
 ECHO = 99  # a command kind no rank runs: the test's own
 
 
-def config_for(model_dir: str) -> WorkerConfig:
-    return WorkerConfig(model=model_dir, block_size=4, num_blocks=64, cpu_kernels="reference")
+def config_for(model_dir: str, kernels: str = "reference") -> WorkerConfig:
+    return WorkerConfig(model=model_dir, block_size=4, num_blocks=64, cpu_kernels=kernels)
 
 
 class _Leading:
@@ -57,12 +58,12 @@ def drive(worker) -> dict:
     }
 
 
-def main(rank: int, size: int, init: str, out: str, model_dirs: list[str]) -> int:
+def main(rank: int, size: int, init: str, out: str, kernels: str, model_dirs: list[str]) -> int:
     torch.set_num_threads(1)  # the cores split between ranks
     group = TPGroup(rank, size, init, torch.device("cpu"), step_timeout_s=120.0)
     results = {}
     for model_dir in model_dirs:
-        worker = rank_worker(config_for(model_dir), group)
+        worker = rank_worker(config_for(model_dir, kernels), group)
         if rank != 0:
             follow(worker, group)
             continue
@@ -80,5 +81,5 @@ def main(rank: int, size: int, init: str, out: str, model_dirs: list[str]) -> in
 
 
 if __name__ == "__main__":
-    r, n, init, out, *models = sys.argv[1:]
-    sys.exit(main(int(r), int(n), init, out, models))
+    r, n, init, out, kernels, *models = sys.argv[1:]
+    sys.exit(main(int(r), int(n), init, out, kernels, models))

@@ -110,11 +110,6 @@ def rank_worker(config, group: TPGroup):
 
     if config.draft_model:
         raise WorkerConfigError("--draft-model is not supported with tensor parallelism")
-    if config.cpu_kernels == "fast":
-        raise WorkerConfigError(
-            "--cpu-kernels fast: tensor-parallel ranks run the reference forward (the fused CPU "
-            "forward has no all-reduce seam yet)"
-        )
     config.cuda_graph = "off"  # NCCL inside captured graphs is not done: eager decode
     worker = Worker(config, shard=ModelShard(group.rank, group.size, group))
     geometry = (

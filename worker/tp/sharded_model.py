@@ -6,7 +6,7 @@ pool and the reference forward run unchanged on local heads. Three kinds of modu
 
     q / k / v, gate / up   column-parallel: the rank's output rows; no communication
     o_proj, down_proj      row-parallel (RowParallelLinear): the rank's input columns, then one
-                           all-reduce (sum) of the partial outputs; the bias added once, after it
+                           all-reduce (sum) of the partial outputs; the bias on rank 0 only
     embedding              vocab-parallel: ids outside the rank's rows give zeros, all-reduce
     LM head                vocab-parallel: local logits [N, P], all-gathered to [N, V]
 
@@ -56,7 +56,9 @@ def _reduced(x: Tensor, group: Collectives) -> Tensor:
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x_r @ W_r^T, + bias once: the input columns are this rank's."""
+    """y = sum over ranks of x_r @ W_r^T (+ bias): the input columns are this rank's. Only
+    rank 0 holds the bias (None elsewhere), so the sum adds it once and the fused CPU kernels,
+    which add a linear's bias themselves, need no special case."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, group: Collectives) -> None:
         super().__init__()
@@ -65,8 +67,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: Tensor) -> Tensor:
-        y = _reduced(F.linear(x, self.weight), self.group)
-        return y if self.bias is None else y + self.bias
+        return _reduced(F.linear(x, self.weight, self.bias), self.group)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -191,7 +192,8 @@ def load_sharded(
     for layer in stack.layers:
         for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
             linear = getattr(parent, name)
-            setattr(parent, name, RowParallelLinear(linear.weight, linear.bias, group))
+            bias = linear.bias if layout.rank == 0 else None
+            setattr(parent, name, RowParallelLinear(linear.weight, bias, group))
     model.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
     return model.eval()
 
@@ -215,3 +217,9 @@ class ModelShard:
     @property
     def num_kv_heads(self) -> int:
         return self.layout.num_kv_heads
+
+    def fast_forward(self, model: ShardedCausalLM, lm_head_int8: bool = False):
+        """The fused CPU kernels on this rank's slices, the collectives between them."""
+        from worker.tp.cpu_forward import ShardedCpuForward
+
+        return ShardedCpuForward(model, self.layout, lm_head_int8)
