@@ -1,7 +1,8 @@
 """Tensor parallelism on this host's CPU (issue 40): TP=2 (one thread per rank, gloo) against
 TP=1 (one worker, the same threads in all), decode step times at batch 1 and 64 on the
 qwen3-small-fp32 preset (8 layers, hidden 512, 8 heads / 4 KV heads, vocab 32000), both on the
-reference forward (what TP ranks run). Also what the group's communication costs per step:
+fused CPU kernels (TP ranks drive them op by op, worker/tp/cpu_forward.py; one worker runs the
+whole stack in one C call). Also what the group's communication costs per step:
 rank 0's plan broadcast, the all-reduces (two per layer + the embedding) and the logits'
 all-gather. A correctness-first figure on 2 cores: splitting 2 cores between 2 processes buys
 no compute, so the ratio shows the price of the collectives, not a speed-up.

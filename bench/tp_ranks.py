@@ -22,7 +22,7 @@ BATCHES = (1, 64)
 
 
 def _config(model: str) -> WorkerConfig:
-    return WorkerConfig(model=model, cpu_kernels="reference", num_blocks=1024)
+    return WorkerConfig(model=model, cpu_kernels="fast", num_blocks=1024)
 
 
 def _time(worker, group, steps: int, batches) -> dict:
