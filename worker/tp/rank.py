@@ -110,7 +110,11 @@ def rank_worker(config, group: TPGroup):
 
     if config.draft_model:
         raise WorkerConfigError("--draft-model is not supported with tensor parallelism")
-    config.cuda_graph = "off"  # NCCL inside captured graphs is not done: eager decode
+    if config.device.startswith("cuda"):
+        raise WorkerConfigError(
+            "tensor parallelism runs on CPU ranks only for now: the CUDA kernels are compiled for the "
+            "whole model's heads, and NCCL inside captured decode graphs is not implemented"
+        )
     worker = Worker(config, shard=ModelShard(group.rank, group.size, group))
     geometry = (
         worker.kv_cache.reported_num_blocks,
