@@ -145,3 +145,35 @@ def test_layout_splits_heads_and_replicates_kv_heads_below_the_size():
     assert [lay.kv_heads(2) for lay in layouts] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert [lay.vocab_rows for lay in layouts] == [(0, 26), (26, 52), (52, 78), (78, 101)]
     assert {lay.vocab_part for lay in layouts} == {26}
+
+
+# -- refusals at start (no processes) ------------------------------------------------------
+def test_cuda_ranks_and_a_draft_model_are_refused_with_the_reason():
+    from types import SimpleNamespace
+
+    from worker import WorkerConfig
+    from worker.tp.rank import rank_worker
+
+    group = SimpleNamespace(rank=0, size=2)
+    with pytest.raises(WorkerConfigError, match="CPU ranks only"):
+        rank_worker(WorkerConfig(device="cuda"), group)
+    with pytest.raises(WorkerConfigError, match="--draft-model is not supported"):
+        rank_worker(WorkerConfig(draft_model="random:default"), group)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--tp-size", "2"], "needs --tp-init"),
+        (
+            ["--tp-size", "2", "--tp-rank", "2", "--tp-init", "tcp://h:1"],
+            r"--tp-rank must be in \[0, --tp-size 2\)",
+        ),
+    ],
+)
+def test_worker_rank_flags_are_checked_before_anything_loads(argv, said):
+    from pagedkv.cli import build_parser
+    from pagedkv.tp_cli import check_worker_args
+
+    with pytest.raises(ValueError, match=said):
+        check_worker_args(build_parser().parse_args(["worker", *argv]))
