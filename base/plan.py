@@ -271,6 +271,8 @@ class WorkerInfo(ModelFacts):
     control plane needs and ModelInfo does not carry."""
 
     tokenizer_json: str = ""  # the checkpoint's tokenizer.json when tokenizer_kind == "hf"
+    # Process start to ready, in seconds (worker.proto WorkerInfo.start_seconds); 0 = unmeasured.
+    start_seconds: float = 0.0
 
 
 MODEL_FACT_FIELDS = tuple(f.name for f in fields(ModelFacts))

@@ -306,9 +306,11 @@ def decode_facts(m: epb.ModelFacts) -> dict:
 
 
 def encode_worker_info(i: WorkerInfo) -> pb.WorkerInfo:
-    return pb.WorkerInfo(facts=encode_facts(i), tokenizer_json=i.tokenizer_json)
+    return pb.WorkerInfo(
+        facts=encode_facts(i), tokenizer_json=i.tokenizer_json, start_seconds=i.start_seconds
+    )
 
 
 def decode_worker_info(m: pb.WorkerInfo) -> WorkerInfo:
     """Raises ValueError on an unset/unknown layout (a worker that predates this protocol)."""
-    return WorkerInfo(**decode_facts(m.facts), tokenizer_json=m.tokenizer_json)
+    return WorkerInfo(**decode_facts(m.facts), tokenizer_json=m.tokenizer_json, start_seconds=m.start_seconds)

@@ -38,6 +38,7 @@ SUITES = [
     "structured",
     "vision",
     "speculative",
+    "tensor_parallel",
 ]
 RESULTS = Path(__file__).parent / "results"
 

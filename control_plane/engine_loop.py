@@ -29,8 +29,10 @@ Worker connection (`_run`): connect (Describe, retried with back-off) -> Reset (
 a previous control plane may have left) -> steps. A step that fails because the worker is
 unreachable or restarted calls `Scheduler.on_worker_lost()` (every running sequence is
 preempted for recompute, the prefix cache is dropped), new requests get UNAVAILABLE, and the
-engine reconnects: within `worker_grace_s` the live requests simply continue (recomputed on
-the new instance); after it they fail with UNAVAILABLE and the pool is back to all-free. A
+engine reconnects: within the restart wait -- `worker_grace_s`, or longer when the worker's last
+start took longer (control_plane/restart_wait.py) -- the live requests simply continue
+(recomputed on the new instance); after it they fail with UNAVAILABLE and the pool is back to
+all-free. A
 step the worker *rejects* (INVALID_ARGUMENT: a control-plane bug) or fails (INTERNAL) ends
 every live request with INTERNAL and resets the worker; the server stays up.
 """
@@ -57,6 +59,7 @@ from control_plane.grammar_check import GrammarCheck
 from control_plane.images import ImageSizeCache
 from control_plane.request import FinishReason, RequestOutput
 from control_plane.request_stream import RequestStream, TokenTimings
+from control_plane.restart_wait import restart_wait
 from control_plane.scheduler import Scheduler
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.stats import SequenceTable, StatsSnapshot
@@ -92,7 +95,10 @@ class EngineObserver(Protocol):
 
 @dataclass(slots=True)
 class EngineOptions:
-    worker_grace_s: float = 5.0  # how long live requests wait for a lost worker to return
+    # How long live requests wait for a lost worker to return: at least this, longer when the
+    # worker's last start took longer (control_plane/restart_wait.py), at most the cap below.
+    worker_grace_s: float = 5.0
+    worker_restart_wait_max_s: float = 300.0
     reconnect_backoff_s: tuple[float, float] = (0.05, 1.0)  # first and largest retry delay
     describe_timeout_s: float = 5.0
     # A step in flight longer than this turns health NOT_SERVING (and refuses new requests)
@@ -378,8 +384,17 @@ class AsyncEngine(EngineRequests):
             log.error("worker.step_failed", error=str(failure.error), live_requests=len(self._streams))
             self._fail_all(failure.error)
             return  # _run reconnects: Describe + Reset, then continues with an empty engine
-        log.warning("worker.lost", error=str(failure.error), live_requests=len(self._streams))
-        if self._streams and not await self._reconnect_within(self.options.worker_grace_s):
+        opts = self.options
+        start_s = self.info.start_seconds if self.info is not None else 0.0
+        wait = restart_wait(opts.worker_grace_s, start_s, opts.worker_restart_wait_max_s)
+        live = len(self._streams)
+        log.warning(
+            "worker.lost",
+            error=str(failure.error),
+            live_requests=live,
+            **({"waiting_s": round(wait.seconds, 1), "because": wait.reason} if live else {}),
+        )
+        if self._streams and not await self._reconnect_within(wait.seconds):
             self._fail_all(failure.error)
 
     async def _reconnect_within(self, grace_s: float) -> bool:

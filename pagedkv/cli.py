@@ -43,6 +43,7 @@ from pagedkv.cli_flags import (  # argparse value types and flag groups, shared 
     token_id_list,
 )
 from pagedkv.openai_api.cli import add_openai_parser, add_serve_http_flags  # argparse only
+from pagedkv.tp_cli import add_serve_tp_flags, add_worker_tp_flags
 
 DEFAULT_SERVER = os.environ.get("PAGEDKV_SERVER", "127.0.0.1:50051")
 DEFAULT_WORKER = "127.0.0.1:50052"
@@ -174,6 +175,7 @@ def _add_server_commands(sub) -> None:
     w = sub.add_parser("worker", help="run the worker process (model + KV pool)")
     w.add_argument("--listen", default=DEFAULT_WORKER, help=f"HOST:PORT or unix:///path ({DEFAULT_WORKER})")
     _add_worker_flags(w)
+    add_worker_tp_flags(w)
     _add_metrics_flags(w, "the worker's")
     _add_server_security_flags(w, "the Worker API")
     add_lifecycle_flags(w)
@@ -215,6 +217,7 @@ def _add_server_commands(sub) -> None:
         help=f"public port (default {DEFAULT_PORT}; 0 = any free port)",
     )
     _add_worker_flags(s, for_serve=True)
+    add_serve_tp_flags(s)
     _add_scheduler_flags(s)
     s.add_argument(
         "--metrics-port",

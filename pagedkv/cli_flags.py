@@ -217,6 +217,7 @@ CONTROL_LIMIT_FLAGS = (
     "max_queue",
     "max_n",
     "worker_grace",
+    "worker_restart_wait_max",
     "step_timeout",
     "step_liveness",
     "no_overlap",
@@ -251,7 +252,15 @@ def add_control_limits(p: argparse.ArgumentParser) -> None:
         "--worker-grace",
         type=non_negative_seconds,
         default=5.0,
-        help="seconds requests wait for a lost worker",
+        help="seconds requests wait for a lost worker at least; longer when its last start took "
+        "longer (2x that + 2 s: the restart's own length)",
+    )
+    p.add_argument(
+        "--worker-restart-wait-max",
+        type=non_negative_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="the longest requests wait for a lost worker's restart, however long its last start took",
     )
     p.add_argument(
         "--step-timeout", type=positive_seconds, default=300.0, help="seconds one plan may take on a worker"

@@ -91,7 +91,7 @@ def worker_config_from_args(args):
 
 async def _worker_main(args) -> int:
     from base.metrics import WorkerMetrics
-    from worker import Worker
+    from pagedkv.tp_cli import leader_factory
     from worker.service import WorkerServicer, create_worker_server
 
     log = get_logger("pagedkv.worker")
@@ -109,7 +109,8 @@ async def _worker_main(args) -> int:
     )
     _write_ready_file(args.ready_file, address, metrics)
     stop = _stop_event()
-    load = asyncio.create_task(servicer.load(lambda: Worker(config)))
+    factory, stop_group = leader_factory(args, config)  # one worker, or rank 0 of a group
+    load = asyncio.create_task(servicer.load(factory))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
@@ -122,6 +123,7 @@ async def _worker_main(args) -> int:
     log.info("worker.stopping", grace_s=args.shutdown_grace)
     load.cancel()
     await server.stop(args.shutdown_grace)
+    stop_group()  # a group's followers exit with rank 0
     servicer.close()
     if metrics is not None:
         metrics.close()
@@ -129,8 +131,14 @@ async def _worker_main(args) -> int:
 
 
 def run_worker(args) -> int:
+    from pagedkv import tp_cli
+
     configure_logging(args.log_format, args.log_level)
     try:
+        tp_cli.check_worker_args(args)
+        tp_cli.apply_threads(args)
+        if args.tp_rank > 0:  # a follower rank serves no API: no event loop, no listener
+            return tp_cli.run_follower(args, worker_config_from_args(args))
         return event_loop.runner(args.event_loop)(_worker_main(args))
     except (ValueError, RuntimeError) as e:  # WorkerConfigError / bad address; address in use
         get_logger("pagedkv.worker").error("worker.start_failed", error=str(e))
@@ -177,6 +185,7 @@ async def _control_main(args) -> int:
     )
     options = EngineOptions(
         worker_grace_s=args.worker_grace,
+        worker_restart_wait_max_s=args.worker_restart_wait_max,
         step_liveness_s=args.step_liveness,
         plans_in_flight=1 if args.no_overlap else args.plans_in_flight,
     )

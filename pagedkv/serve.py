@@ -21,6 +21,10 @@ supervisor itself dies (Linux parent-death signal), so they are never orphaned.
 `--metrics-port P`: the control plane serves Prometheus /metrics on P, the worker on P + 1
 (`--metrics-port 0`: both on any free port; the control plane's is printed).
 
+`--tensor-parallel-size N`: the worker is N rank processes (rank 0 listens on the socket, the
+others join its torch.distributed group; pagedkv/tp_cli.py), supervised as one group: any
+rank's exit restarts them all.
+
 `--http-port P`: a third child, `pagedkv openai`, serves the OpenAI-compatible HTTP API on P
 as a client of the control plane's port (docs/OPENAI.md); started once the control plane is
 SERVING, stopped first, and like the control plane not restarted (its exit stops `serve`).
@@ -46,6 +50,7 @@ from pagedkv.cli_flags import (
     own_tls_server_name,
 )
 from pagedkv.supervisor import Backoff, Supervisor, describe_exit
+from pagedkv.tp_cli import follower_commands, serve_worker_flags
 
 START_TIMEOUT_S = 600.0  # first start may build the default model's weights
 
@@ -78,6 +83,7 @@ def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
     # Every decode batch the control plane can form then fits a captured graph.
     worker += ["--cuda-graph-max-batch-size", str(args.max_num_seqs)]
     worker += _metrics_flags(args, worker_metrics_port(args.metrics_port))
+    worker += serve_worker_flags(args)  # tensor parallelism: rank 0's part; threads per rank
     control = [*base, "control", "--worker", sock, "--listen", f"{args.host}:{args.port}", *common_flags]
     control += ["--ready-file", str(ready)]
     control += _flags(
@@ -267,6 +273,7 @@ def run_serve(args) -> int:
         backoff,
         max_worker_restarts=args.max_worker_restarts,
         stop_timeout_s=args.shutdown_grace + 10.0,
+        follower_cmds=follower_commands(worker_cmd, args.tensor_parallel_size),
     )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: sup.stop_requested.set())

@@ -2,11 +2,17 @@
 
 Why the worker is restarted and the control plane is not: the control plane already survives
 a worker's death by itself (it reconnects to the same socket, sees a new instance id,
-recomputes live requests within `--worker-grace` or fails them with UNAVAILABLE, and reports
+recomputes live requests within the restart wait -- `--worker-grace`, or longer when the
+worker's last start took longer (control_plane/restart_wait.py) -- or fails them with UNAVAILABLE, and reports
 health NOT_SERVING meanwhile), so a new worker is all that recovery needs. A dead control plane
 has lost every client stream and its public port; restarting it behind the clients' backs
 would hide that, so `serve` stops the worker and exits non-zero and leaves the decision to
 whatever runs `serve` (systemd, a container runtime, a person).
+
+A tensor-parallel worker is a group of processes (rank 0, named "worker", and its followers
+"worker-rank1", ...): they live and die together. When any rank exits, the others are killed
+(a group with a missing rank cannot run a step; a SIGKILL also ends a rank that hangs) and the
+whole group is restarted after the same back-off.
 
 A worker is only restarted once it has been ready: a worker that dies during the first start
 (a bad `--model`, too little memory) would fail the same way again, so that stays an error.
@@ -96,16 +102,22 @@ class Supervisor:
         backoff: Backoff | None = None,
         max_worker_restarts: int | None = None,
         stop_timeout_s: float = STOP_TIMEOUT_S,
+        follower_cmds: list[list[str]] = (),
     ) -> None:
+        """`follower_cmds`: the other ranks of a tensor-parallel worker (rank 0 is `worker_cmd`)."""
         self.stop_requested = threading.Event()
         self.cmds = {"worker": worker_cmd, "control": control_cmd}
+        self.group = ["worker"]  # the worker's processes: one, or a tensor-parallel group
+        for rank, cmd in enumerate(follower_cmds, 1):
+            self.cmds[f"worker-rank{rank}"] = cmd
+            self.group.append(f"worker-rank{rank}")
         self.procs: dict[str, subprocess.Popen] = {}
         self.started_at: dict[str, float] = {}
         self.backoff = backoff or Backoff()
         self.max_worker_restarts = max_worker_restarts  # consecutive, None = unlimited
         self.worker_restarts = 0
         self.stop_timeout_s = stop_timeout_s  # per child; above its --shutdown-grace
-        for name in ("worker", "control"):
+        for name in (*self.group, "control"):
             self._start(name)
 
     def _start(self, name: str) -> None:
@@ -128,8 +140,8 @@ class Supervisor:
             if code is not None:
                 _log(f"the control process exited with {describe_exit(code)}; stopping the worker")
                 return 1
-            code = self.procs["worker"].poll()
-            if code is not None and not self._restart_worker(code):
+            exited = next(((n, c) for n in self.group if (c := self.procs[n].poll()) is not None), None)
+            if exited is not None and not self._restart_worker(*exited):
                 return 1
             if self._extra_exited():
                 return 1
@@ -144,34 +156,51 @@ class Supervisor:
 
     def _extra_exited(self) -> bool:
         for name, proc in self.procs.items():
-            code = None if name in ("worker", "control") else proc.poll()
+            code = None if name in ("control", *self.group) else proc.poll()
             if code is not None:
                 _log(f"the {name} process exited with {describe_exit(code)}; stopping the others")
                 return True
         return False
 
-    def _restart_worker(self, code: int) -> bool:
-        """Wait out the back-off and start a new worker; False when the restarts are used up.
-        A stop signal during the wait returns at once (True): `watch` then sees the stop."""
+    def _restart_worker(self, name: str, code: int) -> bool:
+        """Wait out the back-off and start a new worker (group); False when the restarts are used
+        up. A stop signal during the wait returns at once (True): `watch` then sees the stop."""
         uptime = time.monotonic() - self.started_at["worker"]
         delay = self.backoff.after_exit(uptime)
-        exited = f"the worker process exited with {describe_exit(code)} after {uptime:.1f}s"
+        exited = f"the {name} process exited with {describe_exit(code)} after {uptime:.1f}s"
+        for other in self.group:  # a rank's death ends its group: say which rank went first
+            other_code = self.procs[other].poll()
+            if other != name and other_code is not None:
+                exited += f" (the {other} process exited with {describe_exit(other_code)} too)"
         limit = self.max_worker_restarts
         if limit is not None and self.backoff.consecutive > limit:
             _log(f"{exited}; not restarting it (--max-worker-restarts {limit} in a row); stopping")
             return False
         _log(f"{exited}; restarting it in {delay:.1f}s")
+        self._kill_group(name)
         if self.stop_requested.wait(delay):
             return True
-        self._start("worker")
+        for member in self.group:
+            self._start(member)
         self.worker_restarts += 1
         _log(f"worker restarted (pid {self.procs['worker'].pid}, restart {self.worker_restarts})")
         return True
 
+    def _kill_group(self, exited: str) -> None:
+        """The rest of a tensor-parallel group goes with the rank that exited (SIGKILL: it
+        cannot run a step, and a hung rank would not answer a SIGTERM)."""
+        for member in self.group:
+            proc = self.procs[member]
+            if member != exited and proc.poll() is None:
+                _log(f"stopping {member} (pid {proc.pid}): its tensor-parallel group lost {exited}")
+                proc.kill()
+                proc.wait()
+
     def stop_all(self) -> None:
         """Added children (the HTTP front) first, then the control plane (it drains streams),
         then the worker; kill after a timeout."""
-        for name in [*(n for n in self.procs if n not in ("control", "worker")), "control", "worker"]:
+        extras = [n for n in self.procs if n not in ("control", *self.group)]
+        for name in [*extras, "control", *self.group]:  # rank 0 first: it tells its followers to stop
             proc = self.procs[name]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

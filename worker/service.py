@@ -27,7 +27,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import grpc
@@ -42,6 +42,7 @@ from base.grpc_util import (
 from base.logs import get_logger
 from base.plan import Plan, StepResult, WorkerInfo
 from base.plan_codec import decode_plan, encode_result, encode_worker_info
+from base.process_age import process_age_s
 from base.security import ServerSecurity
 from base.service_registry import MalformedRequest, add_service, checks_malformed
 from base.v1 import worker_pb2, worker_pb2_grpc
@@ -118,16 +119,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Build the worker off the event loop (weights + KV pool), then report SERVING."""
         started = time.perf_counter()
         worker = await asyncio.get_running_loop().run_in_executor(self._executor, factory)
-        info = self._set_worker(worker)
+        # The whole start, not just the load: the control plane waits that long (scaled) for a
+        # restarted worker before it gives up on live requests (control_plane/restart_wait.py).
+        info = self._set_worker(worker, start_seconds=process_age_s())
         log.info(
-            "worker.ready", load_seconds=round(time.perf_counter() - started, 2), **geometry_fields(info)
+            "worker.ready",
+            load_seconds=round(time.perf_counter() - started, 2),
+            start_seconds=round(info.start_seconds, 2),
+            **geometry_fields(info),
         )
         if self._health is not None:
             await set_serving(self._health, [SERVICE_NAME], True)
         return info
 
-    def _set_worker(self, worker: WorkerLike) -> WorkerInfo:
+    def _set_worker(self, worker: WorkerLike, start_seconds: float | None = None) -> WorkerInfo:
+        """`start_seconds`: this process's start time, when `load` built the worker."""
         info = worker.describe()
+        if start_seconds is not None:
+            info = replace(info, start_seconds=start_seconds)
         self._worker = worker
         self._info_pb = encode_worker_info(info)
         self._instance_id = info.instance_id

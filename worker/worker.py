@@ -48,6 +48,7 @@ from worker.sampler import Sampler
 from worker.sequence_mirror import SequenceMirrors
 from worker.speculative_verify import sequence_outputs
 from worker.step_work import apply_plan
+from worker.tp.sharded_model import ModelShard
 from worker.vision.images import VisionRuntime, check_plan_images
 from worker.vision.vl_model import VisionLanguageLM
 from worker.worker_config import (
@@ -67,7 +68,9 @@ log = get_logger("pagedkv.worker")
 class Worker:
     """Not thread-safe: one plan at a time (the transport serializes Execute calls)."""
 
-    def __init__(self, config: WorkerConfig | None = None) -> None:
+    def __init__(self, config: WorkerConfig | None = None, shard: ModelShard | None = None) -> None:
+        """`shard`: this worker is one rank of a tensor-parallel group (worker/tp): it loads and
+        runs its slice of the model and holds its KV heads only."""
         self.config = config = config or WorkerConfig()
         config.validate()
         self.device = resolve_device(config.device)
@@ -84,14 +87,20 @@ class Worker:
             )
         self.backend = get_backend(self.device)
         model_class = VisionLanguageLM if self.model_config.multimodal else CausalLM
-        self.model = model_class.from_checkpoint(self.model_dir, self.model_config, self.dtype, self.device)
+        if shard is not None:
+            self.model = shard.load(self.model_dir, self.model_config, self.dtype, self.device)
+        else:
+            self.model = model_class.from_checkpoint(
+                self.model_dir, self.model_config, self.dtype, self.device
+            )
+        self.shard = shard
         self.vision = VisionRuntime(self.model, self.device) if self.model_config.multimodal else None
         kv_format, self.kv_tensor_scales = resolve_kv_quant(
             config.kv_cache_dtype, self.device, self.model_dir, self.model_config.num_layers
         )
         self.kv_spec = KVCacheSpec(
             num_layers=self.model_config.num_layers,
-            num_kv_heads=self.model_config.num_kv_heads,
+            num_kv_heads=self.model_config.num_kv_heads if shard is None else shard.num_kv_heads,
             head_dim=self.model_config.head_dim,
             dtype=self.dtype,
             block_size=config.block_size,
@@ -333,7 +342,10 @@ class Worker:
             self.forward_fallback_reason = reason
             log.warning("worker.cpu_kernels_reference", reason=f"fast CPU forward unavailable: {reason}")
             return None
-        forward = FastCpuForward(self.model, lm_head_int8=self.config.lm_head_int8)
+        if self.shard is not None:  # one rank's slices, with the group's collectives (worker/tp)
+            forward = self.shard.fast_forward(self.model, self.config.lm_head_int8)
+        else:
+            forward = FastCpuForward(self.model, lm_head_int8=self.config.lm_head_int8)
         log.info(
             "worker.cpu_kernels",
             variant=forward.variant,

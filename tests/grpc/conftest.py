@@ -27,10 +27,13 @@ class ScriptedWorker(SimWorker):
     """SimWorker with a byte tokenizer (optional), a gate that holds Execute, a per-step delay
     and a one-shot failure. Execute runs on the worker server's thread, so blocking is fine."""
 
-    def __init__(self, *, tokenizer: str = "byte", delay_s: float = 0.0, **kw) -> None:
+    def __init__(
+        self, *, tokenizer: str = "byte", delay_s: float = 0.0, start_seconds: float = 0.0, **kw
+    ) -> None:
+        """`start_seconds`: what it reports as its start time (WorkerInfo.start_seconds)."""
         kw.setdefault("vocab_size", VOCAB)
         super().__init__(**kw)
-        self._info = dataclasses.replace(self._info, tokenizer_kind=tokenizer)
+        self._info = dataclasses.replace(self._info, tokenizer_kind=tokenizer, start_seconds=start_seconds)
         self.gate = threading.Event()
         self.gate.set()
         self.delay_s = delay_s

@@ -184,6 +184,7 @@ def test_worker_info_round_trips_exactly():
         kv_cache_dtype="fp8_e4m3",
         kv_cache_scales="per tensor (checkpoint k_scale/v_scale)",
         tokenizer_json='{"x": 1}' * 1000,
+        start_seconds=5.75,
     )
     assert decode_worker_info(_wire(encode_worker_info(info))) == info
 
@@ -195,7 +196,8 @@ def test_model_facts_are_said_once():
     assert proto_fields == list(MODEL_FACT_FIELDS)
     assert engine_pb2.ModelInfo.DESCRIPTOR.fields_by_name["facts"].message_type.name == "ModelFacts"
     assert worker_pb2.WorkerInfo.DESCRIPTOR.fields_by_name["facts"].message_type.name == "ModelFacts"
-    assert sorted(f.name for f in worker_pb2.WorkerInfo.DESCRIPTOR.fields) == ["facts", "tokenizer_json"]
+    worker_only = ["facts", "start_seconds", "tokenizer_json"]  # the worker's process, not the model
+    assert sorted(f.name for f in worker_pb2.WorkerInfo.DESCRIPTOR.fields) == worker_only
     sampling = worker_pb2.NewSequence.DESCRIPTOR.fields_by_name["sampling"].message_type
     assert sampling is engine_pb2.SamplingParams.DESCRIPTOR  # no worker-only shadow
 

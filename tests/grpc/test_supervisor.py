@@ -99,6 +99,30 @@ def test_watch_restarts_a_crashing_worker_until_the_cap(capfd):
     assert sup.procs["control"].returncode is not None  # stop_all stopped the control plane
 
 
+def test_a_rank_that_dies_takes_its_tensor_parallel_group_down_and_all_restart(capfd):
+    """Rank 1 crashes; rank 0 (alive, say idle) is killed with it and both start again."""
+    crashing_rank = _py("import time; time.sleep(0.3); raise SystemExit(3)")
+    sup = Supervisor(
+        SLEEPER,
+        SLEEPER,
+        Backoff(initial_s=0.01),
+        max_worker_restarts=1,
+        follower_cmds=[SLEEPER, crashing_rank],
+    )
+    first = {name: sup.procs[name] for name in sup.group}
+    try:
+        assert sup.watch() == 1  # the second crash in a row exceeds --max-worker-restarts 1
+    finally:
+        sup.stop_all()
+    assert sup.group == ["worker", "worker-rank1", "worker-rank2"] and sup.worker_restarts == 1
+    assert first["worker"].returncode == -signal.SIGKILL  # taken down with its group
+    assert first["worker-rank1"].returncode == -signal.SIGKILL
+    assert sup.procs["worker"] is not first["worker"]  # the whole group was started again
+    err = capfd.readouterr().err
+    assert err.count("the worker-rank2 process exited with status 3") == 2
+    assert "stopping worker (pid" in err and "its tensor-parallel group lost worker-rank2" in err
+
+
 def test_watch_stops_during_the_backoff():
     sup = Supervisor(_py("raise SystemExit(3)"), SLEEPER, Backoff(initial_s=3600.0))
 

@@ -114,3 +114,41 @@ def test_an_idle_control_plane_notices_a_dead_worker_without_a_request(make_stac
     stack.restart_worker()
     _wait(lambda: stack.client.health() == "SERVING", timeout=30)
     _assert_recovered(stack)
+
+
+def test_live_requests_wait_for_a_restart_as_long_as_the_last_start_took(make_stack):
+    """--worker-grace 0.2 s, but the worker reported a 1 s start: the engine waits 2x + 2 s
+    (control_plane/restart_wait.py), so a restart after 1.5 s is transparent to the stream."""
+    stack = make_stack(
+        worker=dict(delay_s=0.01, start_seconds=1.0), options=EngineOptions(worker_grace_s=0.2)
+    )
+    t, box = _stream_in_thread(stack, max_tokens=80, request_id="patient")
+    _wait(lambda: stack.client.stats().num_steps > 10)
+    stack.kill_worker()
+    _wait(lambda: not stack.client.stats().worker_available)
+    time.sleep(1.5)  # past the grace, within the restart wait: the request must still be live
+    assert stack.client.stats().num_live_requests == 1
+    stack.restart_worker()
+    t.join(20)
+    assert "error" not in box, box
+    tokens = [tok for m in box["result"] for tok in m.token_ids]
+    assert tokens == reference_tokens(PROMPT, 0, 80, VOCAB)
+    _assert_recovered(stack)
+
+
+def test_a_request_deadline_ends_it_during_the_restart_wait(make_stack):
+    """The restart wait never outlasts a request's own deadline: the client's gRPC deadline
+    cancels it (its blocks freed) while the engine still waits for the worker."""
+    stack = make_stack(
+        worker=dict(delay_s=0.01, start_seconds=30.0), options=EngineOptions(worker_grace_s=0.2)
+    )
+    t, box = _stream_in_thread(stack, max_tokens=600, timeout=3.0)
+    _wait(lambda: stack.client.stats().num_running == 1)
+    stack.kill_worker()
+    t.join(20)
+    assert box["error"].code == grpc.StatusCode.DEADLINE_EXCEEDED, box
+    _wait(lambda: stack.client.stats().num_live_requests == 0)
+    s = stack.client.stats()
+    assert s.num_blocks_free == s.num_blocks_total
+    stack.restart_worker()
+    _assert_recovered(stack)

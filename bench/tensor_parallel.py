@@ -1,0 +1,76 @@
+"""Tensor parallelism on this host's CPU (issue 40): TP=2 (one thread per rank, gloo) against
+TP=1 (one worker, the same threads in all), decode step times at batch 1 and 64 on the
+qwen3-small-fp32 preset (8 layers, hidden 512, 8 heads / 4 KV heads, vocab 32000), both on the
+fused CPU kernels (TP ranks drive them op by op, worker/tp/cpu_forward.py; one worker runs the
+whole stack in one C call). Also what the group's communication costs per step:
+rank 0's plan broadcast, the all-reduces (two per layer + the embedding) and the logits'
+all-gather. A correctness-first figure on 2 cores: splitting 2 cores between 2 processes buys
+no compute, so the ratio shows the price of the collectives, not a speed-up.
+
+Runs alternate TP=1 / TP=2 in separate processes (each group owns the cores while it runs).
+Run: `python -m bench.tensor_parallel [--quick]`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import median
+from bench.suite_cli import suite_main
+
+MODEL = "random:qwen3-small-fp32"
+BATCHES = (1, 64)
+RANK_TIMEOUT_S = 900
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group(size: int, threads: int, steps: int, model: str = MODEL, batches=BATCHES) -> dict:
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "figures.json"
+        cmd = [sys.executable, "-m", "bench.tp_ranks"]
+        args = [str(size), init, str(threads), model, str(steps), str(out), *map(str, batches)]
+        procs = [subprocess.Popen([*cmd, str(rank), *args]) for rank in range(size)]
+        codes = [p.wait(RANK_TIMEOUT_S) for p in procs]
+        if codes != [0] * size:
+            raise RuntimeError(f"TP={size} ranks exited with {codes}")
+        return json.loads(out.read_text())
+
+
+def run(quick: bool = False) -> dict:
+    steps, rounds, batches = (3, 1, (1,)) if quick else (12, 2, BATCHES)
+    cores = max(2, len(os.sched_getaffinity(0)))
+    # TP=1 twice: with every core (what one worker gets) and with one thread (a rank's share)
+    runs: dict[str, list[dict]] = {"tp1": [], "tp1_1thread": [], "tp2": []}
+    plan = {"tp1": (1, cores), "tp1_1thread": (1, 1), "tp2": (2, cores // 2)}
+    for r in range(rounds):
+        for name in plan if r % 2 == 0 else reversed(plan):
+            runs[name].append(_group(*plan[name], steps, batches=batches))
+    figures = {"model": MODEL, "cores": cores, "load_avg": os.getloadavg()[0]}
+    figures |= {f"tp2_{k}": v for k, v in _group(2, 1, 50 if quick else 400, "collectives").items()}
+    for key in runs["tp2"][0]:
+        if not key.startswith("wall"):
+            figures[f"tp2_{key}"] = median([run[key] for run in runs["tp2"]])
+    for batch in batches:
+        for name in ("tp1", "tp1_1thread"):
+            one = median([run[f"step_ms_b{batch}"] for run in runs[name]])
+            figures[f"{name}_step_ms_b{batch}"] = one
+            figures[f"tp2_over_{name}_b{batch}"] = figures[f"tp2_step_ms_b{batch}"] / one
+        comm = sum(figures[f"tp2_{k}_ms_per_step_b{batch}"] for k in ("all_reduce", "all_gather", "send"))
+        figures[f"tp2_communication_share_b{batch}"] = comm / figures[f"tp2_step_ms_b{batch}"]
+    return figures
+
+
+if __name__ == "__main__":
+    suite_main(run, __doc__)

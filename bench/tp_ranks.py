@@ -1,0 +1,93 @@
+"""One rank of bench/tensor_parallel.py's groups, as its own process:
+`python -m bench.tp_ranks RANK SIZE INIT_METHOD THREADS MODEL STEPS OUT [BATCH...]`.
+
+Rank 0 times decode steps at each BATCH (default 1 and 64) (bench.common.decode_step_seconds: scheduler-made
+plans, only the worker's execute timed) and what the group's communication cost within them;
+SIZE 1 is the single worker. The others follow until told to stop."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from bench.common import decode_step_seconds
+from worker import Worker, WorkerConfig
+from worker.tp.group import TPGroup
+from worker.tp.rank import GroupLeader, follow, rank_worker
+
+BATCHES = (1, 64)
+
+
+def _config(model: str) -> WorkerConfig:
+    return WorkerConfig(model=model, cpu_kernels="fast", num_blocks=1024)
+
+
+def _time(worker, group, steps: int, batches) -> dict:
+    figures = {}
+    for batch in batches:
+        before = None if group is None else (dict(group.seconds), dict(group.calls))
+        started = time.perf_counter()
+        figures[f"step_ms_b{batch}"] = 1e3 * decode_step_seconds(worker, batch, steps)
+        if group is not None:  # per step of everything this call ran (prefills included)
+            sends = group.calls["send"] - before[1]["send"]
+            for kind in group.seconds:
+                spent = group.seconds[kind] - before[0][kind]
+                figures[f"{kind}_ms_per_step_b{batch}"] = 1e3 * spent / max(1, sends)
+            figures[f"all_reduces_per_step_b{batch}"] = (
+                group.calls["all_reduce"] - before[1]["all_reduce"]
+            ) / max(1, sends)
+        figures[f"wall_s_b{batch}"] = time.perf_counter() - started
+    return figures
+
+
+def _collective_latency(group: TPGroup, hidden: int, repeats: int) -> dict:
+    """The all-reduce alone, both ranks ready (no compute to wait for): median microseconds
+    for one decode row and for 64, and the all-gather of one row's logits (vocab 32000)."""
+    figures = {}
+    for rows in BATCHES:
+        x = torch.ones(rows, hidden)
+        samples = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            group.all_reduce(x)
+            samples.append(time.perf_counter() - started)
+        figures[f"all_reduce_us_{rows}x{hidden}"] = 1e6 * sorted(samples)[repeats // 2]
+    logits, samples = torch.ones(1, 16000), []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        group.all_gather_last(logits)
+        samples.append(time.perf_counter() - started)
+    figures["all_gather_us_1x32000"] = 1e6 * sorted(samples)[repeats // 2]
+    return figures
+
+
+def main(rank: int, size: int, init: str, threads: int, model: str, steps: int, out: str, batches) -> int:
+    torch.set_num_threads(threads)
+    if model == "collectives":  # no model: the collectives' own cost
+        group = TPGroup(rank, size, init, torch.device("cpu"), step_timeout_s=600.0)
+        figures = _collective_latency(group, 512, steps)
+        if rank != 0:
+            return 0
+    elif size == 1:
+        figures = _time(Worker(_config(model)), None, steps, batches)
+    else:
+        group = TPGroup(rank, size, init, torch.device("cpu"), step_timeout_s=600.0)
+        worker = rank_worker(_config(model), group)
+        if rank != 0:
+            return follow(worker, group)
+        leader = GroupLeader(worker, group)
+        figures = _time(leader, group, steps, batches)
+        leader.stop()
+    with open(out, "w") as f:
+        json.dump(figures, f)
+    return 0
+
+
+if __name__ == "__main__":
+    r, n, init, threads, model, steps, out, *sizes = sys.argv[1:]
+    sys.exit(
+        main(int(r), int(n), init, int(threads), model, int(steps), out, [int(b) for b in sizes] or BATCHES)
+    )

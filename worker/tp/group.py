@@ -1,0 +1,167 @@
+"""The ranks of one tensor-parallel group, on torch.distributed (gloo on CPU, NCCL on CUDA).
+
+Three process groups over the same ranks, each for one kind of wait:
+
+    commands  rank 0 -> all: what to run next (a plan's bytes, reset, stop). Followers idle
+              here between plans for as long as the server idles, so it never times out.
+    compute   the forward's all-reduces and the logits' all-gather. A rank that does not
+              arrive within `step_timeout_s` breaks the step (GroupBroken).
+    monitor   after a broken step, a monitored barrier (gloo) that names the ranks that did
+              not arrive: "a rank hangs" becomes "rank 1 hangs".
+
+Rank 0 bounds its sends by the step timeout (the followers' receives have none), so a follower
+that hangs between steps is found as surely as one that hangs inside the forward.
+A command is one broadcast of a fixed 4 KiB message, [kind, length, payload] (a decode plan of
+a few dozen sequences fits), or that plus a second broadcast of a larger payload; the plan is
+the Worker proto's bytes (base.plan_codec), so every rank decodes exactly what rank 0 ran.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from base.logs import get_logger
+
+log = get_logger("pagedkv.worker")
+
+EXECUTE, RESET, STOP = 1, 2, 3
+NEVER = timedelta(days=3650)  # the commands group: a server may idle for as long as it likes
+MONITOR_TIMEOUT = timedelta(seconds=5)
+HEADER_BYTES = 16  # kind, payload length (int64 each)
+INLINE_BYTES = 4080  # a payload this small rides in the header's broadcast: one message a plan
+
+
+class GroupBroken(RuntimeError):
+    """A collective failed: a rank died (its connection closed) or hung (the step timeout).
+    The group cannot continue; its processes exit and are restarted together."""
+
+
+class TPGroup:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        init_method: str,
+        device: torch.device,
+        step_timeout_s: float,
+        start_timeout_s: float = 600.0,
+    ) -> None:
+        self.rank, self.size = rank, size
+        self.step_timeout_s = step_timeout_s
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=start_timeout_s),
+        )
+        # Plans are host bytes: the commands and the monitor stay on gloo even beside NCCL.
+        self.commands = dist.new_group(backend="gloo", timeout=NEVER)
+        self.compute = dist.new_group(backend=backend, timeout=timedelta(seconds=step_timeout_s))
+        self.monitor = dist.new_group(backend="gloo", timeout=MONITOR_TIMEOUT)
+        self.device = device
+        self.step = 0  # the plan the group runs (for the messages)
+        # Seconds spent in each kind of communication, and how many (bench/tensor_parallel.py).
+        self.seconds = {"all_reduce": 0.0, "all_gather": 0.0, "send": 0.0}
+        self.calls = dict.fromkeys(self.seconds, 0)
+
+    # -- the forward's collectives (worker.tp.sharded_model.Collectives) -----------------------
+    def all_reduce(self, tensor: Tensor) -> None:
+        self._guard("all_reduce", lambda: dist.all_reduce(tensor, group=self.compute))
+
+    def all_gather_last(self, tensor: Tensor) -> Tensor:
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._guard("all_gather", lambda: dist.all_gather(parts, tensor, group=self.compute))
+        return torch.cat(parts, dim=-1)
+
+    def _guard(self, kind: str, collective) -> None:
+        started = time.perf_counter()
+        try:
+            collective()
+        except RuntimeError as exc:  # gloo / NCCL errors (DistBackendError is one)
+            raise self.broken(exc) from None
+        self.seconds[kind] += time.perf_counter() - started
+        self.calls[kind] += 1
+
+    def broken(self, exc: BaseException) -> GroupBroken:
+        """What went wrong, with the ranks that did not arrive when some hang."""
+        missing = self.missing_ranks()
+        if missing == [-1]:
+            who = "a rank died or hung (the monitored barrier did not say which)"
+        elif missing:
+            who = f"rank(s) {', '.join(map(str, missing))} did not answer"
+        else:
+            who = "every rank is alive but a collective failed"
+        return GroupBroken(
+            f"tensor-parallel group broken at step {self.step}: {who} (step timeout "
+            f"{self.step_timeout_s:g}s; {type(exc).__name__}: {str(exc)[:300]})"
+        )
+
+    def missing_ranks(self) -> list[int]:
+        """The ranks that do not reach a monitored barrier in MONITOR_TIMEOUT (rank 0 asks;
+        the others only take part)."""
+        try:
+            dist.monitored_barrier(group=self.monitor, timeout=MONITOR_TIMEOUT, wait_all_ranks=True)
+        except RuntimeError as exc:
+            found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(exc))
+            return [int(r) for r in found.group(1).replace(",", " ").split()] if found else [-1]
+        return []
+
+    # -- commands: rank 0 sends, the others receive -------------------------------------------
+    def send(self, kind: int, payload: bytes = b"") -> None:
+        """Rank 0 only. Bounded by the step timeout although the group's is NEVER: a gloo
+        broadcast waits for the receivers to be ready, and a hung rank never is."""
+        message = _message(kind, payload)
+        timeout = timedelta(seconds=self.step_timeout_s)
+        started = time.perf_counter()
+        try:
+            dist.broadcast(message, 0, group=self.commands, async_op=True).wait(timeout)
+            if len(payload) > INLINE_BYTES:
+                data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                dist.broadcast(data, 0, group=self.commands, async_op=True).wait(timeout)
+        except RuntimeError as exc:
+            raise self.broken(exc) from None
+        self.seconds["send"] += time.perf_counter() - started
+        self.calls["send"] += 1
+
+    def receive(self) -> tuple[int, bytes]:
+        message = torch.empty(HEADER_BYTES + INLINE_BYTES, dtype=torch.uint8)
+        try:
+            dist.broadcast(message, 0, group=self.commands)
+            kind, length = (int(v) for v in message[:HEADER_BYTES].view(torch.int64))
+            if length <= INLINE_BYTES:
+                return kind, message[HEADER_BYTES : HEADER_BYTES + length].numpy().tobytes()
+            payload = torch.empty(length, dtype=torch.uint8)
+            dist.broadcast(payload, 0, group=self.commands)
+        except RuntimeError as exc:
+            raise GroupBroken(f"tensor-parallel rank {self.rank}: lost rank 0 ({exc})") from None
+        return kind, payload.numpy().tobytes()
+
+    def agree(self, value: object) -> list[object]:
+        """Every rank's `value`, on every rank (start-up checks)."""
+        out: list[object] = [None] * self.size
+        dist.all_gather_object(out, value)
+        return out
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _message(kind: int, payload: bytes) -> torch.Tensor:
+    """The fixed-size first broadcast: header, then the payload when it fits."""
+    message = torch.zeros(HEADER_BYTES + INLINE_BYTES, dtype=torch.uint8)
+    message[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor([kind, len(payload)]))
+    if 0 < len(payload) <= INLINE_BYTES:
+        message[HEADER_BYTES : HEADER_BYTES + len(payload)] = torch.frombuffer(
+            bytearray(payload), dtype=torch.uint8
+        )
+    return message

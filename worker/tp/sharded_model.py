@@ -1,0 +1,225 @@
+"""One rank's slice of the decoder (worker.model.CausalLM), loaded slice by slice.
+
+The rank's model is an ordinary CausalLM built for the rank's share of the geometry (H/N query
+heads, its KV heads, I/N MLP rows, P vocabulary rows; worker.tp.layout), so attention, the KV
+pool and the reference forward run unchanged on local heads. Three kinds of modules differ:
+
+    q / k / v, gate / up   column-parallel: the rank's output rows; no communication
+    o_proj, down_proj      row-parallel (RowParallelLinear): the rank's input columns, then one
+                           all-reduce (sum) of the partial outputs; the bias on rank 0 only
+    embedding              vocab-parallel: ids outside the rank's rows give zeros, all-reduce
+    LM head                vocab-parallel: local logits [N, P], all-gathered to [N, V]
+
+so a layer costs two all-reduces of [T, hidden] and a step one all-reduce for the embedding
+and one all-gather of the sampled rows' logits. Every rank gets the whole logits and samples
+them itself (same seed, same draws): mirrors, grammars and speculative roll-backs stay identical
+on every rank without a second collective (docs/ARCHITECTURE.md "Tensor parallelism").
+
+Loading reads only the rank's slices (safetensors `get_slice`): no rank ever holds a whole
+sharded tensor, so a model too big for one device loads in N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from worker.errors import ModelLoadError
+from worker.model import CausalLM
+from worker.model_config import ModelConfig
+from worker.rotary import RotaryEmbedding
+from worker.tp.layout import TPLayout
+from worker.weights import locate_tensors
+
+
+class Collectives(Protocol):
+    def all_reduce(self, tensor: Tensor) -> None: ...  # in place, sum over ranks
+
+    def all_gather_last(self, tensor: Tensor) -> Tensor: ...  # concatenated along the last dim
+
+
+def _reduced(x: Tensor, group: Collectives) -> Tensor:
+    """Sum over ranks, in fp32 for half-precision activations (what one device's fp32
+    accumulation would have kept; also the dtype every gloo build reduces)."""
+    if x.dtype == torch.float32:
+        group.all_reduce(x)
+        return x
+    wide = x.float()
+    group.all_reduce(wide)
+    return wide.to(x.dtype)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r @ W_r^T (+ bias): the input columns are this rank's. Only
+    rank 0 holds the bias (None elsewhere), so the sum adds it once and the fused CPU kernels,
+    which add a linear's bias themselves, need no special case."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, group: Collectives) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _reduced(F.linear(x, self.weight, self.bias), self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows [start, start + P) of the vocabulary; other ids look up zeros, and
+    the all-reduce fills each row from the rank that holds it."""
+
+    def __init__(self, weight: Tensor, start: int, group: Collectives) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start = start
+        self.group = group
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return _reduced(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+
+class ShardedCausalLM(CausalLM):
+    """CausalLM on one rank's slices; `compute_logits` gathers the whole vocabulary."""
+
+    group: Collectives
+    full_vocab: int
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        local = F.linear(hidden, weight).float()
+        return self.group.all_gather_last(local)[:, : self.full_vocab]
+
+
+def local_config(config: ModelConfig, layout: TPLayout) -> ModelConfig:
+    """The geometry one rank's modules are built with."""
+    return replace(
+        config,
+        num_heads=layout.num_heads,
+        num_kv_heads=layout.num_kv_heads,
+        intermediate_size=layout.intermediate,
+        vocab_size=layout.vocab_part,
+    )
+
+
+def _slice_of(name: str, config: ModelConfig, layout: TPLayout) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of the checkpoint tensor `name` this rank holds; None = all of it."""
+    hd = layout.head_dim
+    leaf = name.rsplit(".", 2)[-2:]  # e.g. ["q_proj", "weight"]
+    module, kind = leaf[0], leaf[1]
+    if module == "q_proj":
+        a, b = layout.q_heads
+        return 0, a * hd, b * hd
+    if module in ("k_proj", "v_proj"):
+        a, b = layout.kv_heads(config.num_kv_heads)
+        return 0, a * hd, b * hd
+    if module in ("gate_proj", "up_proj"):
+        return (0, *layout.mlp_rows)
+    if module == "o_proj" and kind == "weight":
+        a, b = layout.q_heads
+        return 1, a * hd, b * hd
+    if module == "down_proj" and kind == "weight":
+        return (1, *layout.mlp_rows)
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (0, *layout.vocab_rows)
+    return None  # norms, o / down biases (added once after the reduce)
+
+
+def load_slices(
+    model_dir: Path,
+    full_shapes: dict[str, tuple[int, ...]],
+    config: ModelConfig,
+    layout: TPLayout,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, Tensor]:
+    """Read each tensor's slice for this rank (never the whole tensor), checking the full
+    shape against config.json; vocabulary slices are padded to P rows with zeros."""
+    located = locate_tensors(model_dir)
+    missing = [n for n in full_shapes if n not in located]
+    if missing:
+        raise ModelLoadError(f"checkpoint {model_dir} is missing tensor(s) {', '.join(missing[:8])}")
+    tensors: dict[str, Tensor] = {}
+    for path in sorted({located[n] for n in full_shapes}):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in (n for n in full_shapes if located[n] == path):
+                part = f.get_slice(name)
+                shape = tuple(part.get_shape())
+                if shape != tuple(full_shapes[name]):
+                    raise ModelLoadError(
+                        f"tensor {name} in {path.name} has shape {shape}, but config.json implies "
+                        f"{tuple(full_shapes[name])}"
+                    )
+                where = _slice_of(name, config, layout)
+                if where is None:
+                    tensor = part[:]
+                elif where[0] == 0:
+                    tensor = part[where[1] : where[2]]
+                else:
+                    tensor = part[:, where[1] : where[2]]
+                if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                    tensor = F.pad(tensor, (0, 0, 0, layout.vocab_part - tensor.shape[0]))
+                tensors[name] = tensor.to(device=device, dtype=dtype)
+    return tensors
+
+
+def load_sharded(
+    model_dir: Path,
+    config: ModelConfig,
+    layout: TPLayout,
+    group: Collectives,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> ShardedCausalLM:
+    """This rank's model: built on the meta device for its local geometry, filled from its
+    slices of the checkpoint, the row-parallel and vocab-parallel modules swapped in."""
+    with torch.device("meta"):
+        full_shapes = CausalLM(config).expected_tensor_shapes()
+        model = ShardedCausalLM(local_config(config, layout))
+    tensors = load_slices(model_dir, full_shapes, config, layout, dtype, device)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.group, model.full_vocab = group, config.vocab_size
+    stack = model.model
+    stack.embed_tokens = VocabParallelEmbedding(stack.embed_tokens.weight, layout.vocab_rows[0], group)
+    for layer in stack.layers:
+        for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+            linear = getattr(parent, name)
+            bias = linear.bias if layout.rank == 0 else None
+            setattr(parent, name, RowParallelLinear(linear.weight, bias, group))
+    model.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
+    return model.eval()
+
+
+class ModelShard:
+    """What the Worker needs to be one rank (worker.worker.Worker's `shard`): its model and its
+    KV heads. The layout is planned when the model's config is known, before any weight is read."""
+
+    def __init__(self, rank: int, size: int, group: Collectives) -> None:
+        self.rank, self.size, self.group = rank, size, group
+        self.layout: TPLayout | None = None
+
+    def load(
+        self, model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+    ) -> CausalLM:
+        from worker.tp.layout import plan_layout
+
+        self.layout = plan_layout(config, self.rank, self.size)
+        return load_sharded(model_dir, config, self.layout, self.group, dtype, device)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layout.num_kv_heads
+
+    def fast_forward(self, model: ShardedCausalLM, lm_head_int8: bool = False):
+        """The fused CPU kernels on this rank's slices, the collectives between them."""
+        from worker.tp.cpu_forward import ShardedCpuForward
+
+        return ShardedCpuForward(model, self.layout, lm_head_int8)
