@@ -40,7 +40,7 @@ from base.grpc_util import (
     set_serving,
 )
 from base.logs import get_logger
-from base.plan import Plan, StepResult, WorkerInfo
+from base.plan import AdapterInfo, Plan, StepResult, WorkerInfo
 from base.plan_codec import decode_plan, encode_adapter, encode_result, encode_worker_info
 from base.security import ServerSecurity
 from base.service_registry import MalformedRequest, add_service, checks_malformed
@@ -58,6 +58,12 @@ class WorkerLike(Protocol):
     def execute(self, plan: Plan) -> StepResult: ...
 
     def reset(self) -> None: ...
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo: ...
+
+    def unload_adapter(self, adapter_id: str) -> None: ...
+
+    def adapters(self) -> list[AdapterInfo]: ...
 
 
 def geometry_fields(info: WorkerInfo) -> dict:
