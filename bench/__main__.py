@@ -38,6 +38,7 @@ SUITES = [
     "structured",
     "vision",
     "speculative",
+    "lora",
 ]
 RESULTS = Path(__file__).parent / "results"
 

@@ -130,7 +130,8 @@ static int lora_open(Lora *l, const PkModel *m, const PkStep *s) {
     if (!(l->lo = s->lora) || s->lora->num_slots == 0) return 0;
     const int64_t S = s->lora->num_slots, T = s->tokens, R = s->num_sample_rows;
     if (S > PK_LORA_MAX_SLOTS) return -11;
-    l->block = malloc((size_t)(2 * (S + 1) + T + R) * sizeof(int64_t) + (size_t)(T * s->lora->max_rank) * sizeof(float));
+    const size_t tmp_floats = (size_t)(PK_LORA_MAX_FUSED * T * s->lora->max_rank);
+    l->block = malloc((size_t)(2 * (S + 1) + T + R) * sizeof(int64_t) + tmp_floats * sizeof(float));
     if (!l->block) return -12;
     int64_t *ints = l->block;
     l->all = (PkLoraRows){S, ints, ints + S + 1};

@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #define PK_LORA_MODULES 7 /* q, k, v, o, gate, up, down (worker/lora/adapter.py MODULES) */
+#define PK_LORA_MAX_FUSED 3 /* modules of one linear: q|k|v */
 #define PK_LORA_MAX_SLOTS 256 /* adapters in one step (worker/lora/registry.py MAX_LORAS) */
 
 typedef struct {
@@ -31,7 +32,8 @@ typedef struct {
 void pk_lora_group(PkLoraRows *g, const int32_t *slot, const int64_t *sel, int64_t count);
 
 /* For modules m in [first, first + count): y[r, col[m] .. col[m] + n[m]) += (x[r] . a_m^T) . bt_m
- * for every grouped row r, with its slot's weights of `layer`. tmp: [rows, max_rank] floats. */
+ * for every grouped row r, with its slot's weights of `layer`. count <= PK_LORA_MAX_FUSED;
+ * tmp: [count, grouped rows, max_rank] floats. */
 void pk_lora_add(const PkLora *lo, const PkLoraRows *g, int64_t layer, int first, int count, const int64_t *col,
                  const int64_t *n, float *y, int64_t ldy, const float *x, int64_t ldx, int64_t k, float *tmp,
                  int threads);

@@ -54,6 +54,10 @@ class AdapterRegistry:
         """Resident ids, least recently used first."""
         return list(self._resident)
 
+    @property
+    def resident_bytes(self) -> int:
+        return sum(a.nbytes for a in self._resident.values())
+
     def infos(self) -> list[AdapterInfo]:
         return list(self._registered.values())
 
