@@ -16,6 +16,8 @@ import transformers
 
 from base.plan import Plan
 from tests.worker.lora_adapters import make_adapter, peft_greedy
+from tests.worker.quant_checkpoints import VARIANTS
+from tests.worker.test_quantized import TOLERANCE
 from tests.worker.worker_test_utils import (
     TINY_GEOMETRY,
     PlanDriver,
@@ -187,3 +189,24 @@ def test_lru_eviction_spares_adapters_in_use_and_reloads_on_demand(llama, tmp_pa
     driver.step({4: None})  # B's sequence finished: B may go now
     assert set(registry.resident_ids) == {a, c}
     assert driver.seqs[4].generated == peft_greedy(peft_c, prompt(7, seed=3), 1)
+
+
+@pytest.mark.parametrize("cpu_kernels", CPU_KERNELS)
+def test_adapter_on_an_awq_base_matches_peft_on_the_dequantized_model(quantized, tmp_path, cpu_kernels):
+    """AWQ int4 base (packed codes on the fast forward, dense on the reference), adapter in fp32:
+    the oracle is peft on transformers' model holding the checkpoint's dequantized weights."""
+    spec, family = VARIANTS[0]
+    ckpt = quantized(spec, family)
+    peft_model = make_adapter(ckpt.hf_model, tmp_path / "A", seed=31)
+    worker = make_worker(ckpt.path, 4, cpu_kernels=cpu_kernels)
+    adapter_id = worker.load_adapter("A", str(tmp_path / "A")).adapter_id
+    driver = PlanDriver(worker)
+    on_adapter = driver.add(1, prompt(12, seed=9), adapter=adapter_id)
+    on_base = driver.add(2, prompt(12, seed=9))
+    driver.step({1: None, 2: None})
+    driver.decode([1, 2], 5)
+    for seq, model in ((on_adapter, peft_model), (on_base, ckpt.hf_model)):
+        assert seq.generated == hf_greedy(model, seq.tokens[:12], 6)
+        reference = hf_logits(model, seq.tokens[:-1])
+        for k, row in enumerate(seq.logits):
+            assert_logits_close(row, reference[11 + k], rel=TOLERANCE[cpu_kernels])
