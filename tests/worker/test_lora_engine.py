@@ -130,3 +130,40 @@ def test_unload_lets_running_requests_finish_then_frees_the_weights(setup):
     assert early + tokens[("running", 0)] == oracle(setup, "B", p, 6)
     assert b_id not in worker.lora.registry
     check_all_free(engine.scheduler)
+
+
+def test_beam_search_on_an_adapter_matches_peft(setup):
+    """A beam group forks and drops under its adapter (every fork's NewSequence carries it);
+    the beams equal transformers' beam search on the PEFT model, beside a base-model group."""
+    from tests.worker.test_beam_search import assert_same_beams, beam_params, hf_beams, run
+
+    hf_model, path, root, peft_models = setup
+    engine = EngineCore(make_worker(path, BLOCK), SchedulerConfig(), check_invariants=True)
+    engine.load_adapter("A", str(root / "A"))
+    p = prompt(10, seed=17)
+    engine.add_request("beam-a", p, beam_params(4, 2, None, 1.0), adapter="A")
+    engine.add_request("beam-base", p, beam_params(4, 2, None, 1.0))
+    beams = run(engine)
+    assert_same_beams(beams["beam-a"], hf_beams(peft_models["A"], p, 4, 2, 10, None, 1.0), None)
+    assert_same_beams(beams["beam-base"], hf_beams(hf_model, p, 4, 2, 10, None, 1.0), None)
+
+
+def test_ngram_speculation_on_adapters_matches_peft(setup):
+    """Proposals verified under the request's adapter, rejected ones rolled back: greedy tokens
+    are PEFT's. (A random tiny model rarely repeats itself: a few proposals, mostly rejected,
+    which is what exercises the rollback.)"""
+    from control_plane.speculation import SpeculativeConfig
+
+    _, path, root, _ = setup
+    config = SchedulerConfig(speculative=SpeculativeConfig("ngram", 3, 1, 3))
+    engine = EngineCore(make_worker(path, BLOCK), config, check_invariants=True)
+    for name in ("A", "B"):
+        engine.load_adapter(name, str(root / name))
+    motif = prompt(5, seed=19)
+    p = motif * 4  # repeats: the lookup proposes
+    for rid, adapter in (("a", "A"), ("b", "B"), ("base", "")):
+        engine.add_request(rid, p, greedy(24), adapter=adapter)
+    tokens = engine.run_to_completion()
+    for rid, adapter in (("a", "A"), ("b", "B"), ("base", "")):
+        assert tokens[(rid, 0)] == oracle(setup, adapter, p, 24), rid
+    assert engine.scheduler.speculator.stats.num_proposed > 0
