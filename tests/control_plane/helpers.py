@@ -35,6 +35,15 @@ def make_engine(
     return EngineCore(worker, SchedulerConfig(**cfg), check_invariants=True), worker
 
 
+def assert_sample_tokens(got: dict, aborted: set[str], rid: str, index: int, reference: list[int]) -> None:
+    """Sample `index` of request `rid` produced `reference` (a prefix of it when aborted)."""
+    tokens = got.get((rid, index), [])
+    if rid in aborted:
+        assert tokens == reference[: len(tokens)], (rid, index)
+    else:
+        assert tokens == reference, (rid, index)
+
+
 def interleaving_ops(request_st):
     """The op alphabet of the engine property tests: add a request (drawn from `request_st`),
     step 1-4 times, abort the i-th live request, lose the worker."""

@@ -15,6 +15,7 @@ from control_plane.errors import AdapterNotFoundError
 from control_plane.invariants import check_all_free
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.sim_worker import SimWorker, reference_tokens
+from tests.control_plane.helpers import assert_sample_tokens
 
 VOCAB = 64
 NAMES = ("", "A", "B", "C")  # "" = the base model
@@ -96,8 +97,4 @@ def test_adapters_loading_and_unloading_mid_run(block_size, extra_blocks, in_fli
     for rid, (prompt, sp, adapter_id) in live.items():
         for idx in range(sp.n):
             ref = reference_tokens(prompt, idx, sp.max_tokens, VOCAB, adapter_id=adapter_id)
-            toks = got.get((rid, idx), [])
-            if rid in aborted:
-                assert toks == ref[: len(toks)]
-            else:
-                assert toks == ref, (rid, idx)
+            assert_sample_tokens(got, aborted, rid, idx, ref)
