@@ -57,14 +57,15 @@ class AdapterTable:
         self.retired[info.adapter_id] = info
         return info
 
-    def droppable(self, live_ids: Iterable[str]) -> list[str]:
-        """Retired ids no live request uses: forgotten here, for the worker to drop."""
+    def droppable(self, live_ids: Iterable[str]) -> list[AdapterInfo]:
+        """Retired adapters no live request uses: forgotten here, for the worker to drop (a
+        failed drop puts its adapter back with `retire`)."""
         if not self.retired:
             return []
-        done = sorted(set(self.retired) - set(live_ids))
-        for adapter_id in done:
-            del self.retired[adapter_id]
-        return done
+        return [self.retired.pop(i) for i in sorted(set(self.retired) - set(live_ids))]
+
+    def retire(self, info: AdapterInfo) -> None:
+        self.retired[info.adapter_id] = info
 
     def infos(self) -> list[AdapterInfo]:
         return list(self.by_name.values())

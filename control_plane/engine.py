@@ -95,8 +95,8 @@ class EngineCore:
     def _drop_retired(self) -> None:
         if self.adapters.retired:
             live = (r.adapter for r in self.scheduler.requests.values())
-            for adapter_id in self.adapters.droppable(live):
-                self.worker.unload_adapter(adapter_id)
+            for info in self.adapters.droppable(live):
+                self.worker.unload_adapter(info.adapter_id)
 
     def step(self) -> list[RequestOutput]:
         """One step: schedule and execute a plan, and apply a result (with overlap: the

@@ -12,6 +12,7 @@ from __future__ import annotations
 from base.logs import get_logger
 from base.plan import AdapterInfo
 from control_plane.adapters import check_adapter_name
+from control_plane.errors import EngineError
 
 log = get_logger("pagedkv.control")
 
@@ -46,8 +47,12 @@ class EngineAdapters:
         if not self.adapters.retired or self.scheduler is None or not self.available:
             return
         live = (r.adapter for r in self.scheduler.requests.values())
-        for adapter_id in self.adapters.droppable(live):
-            await self.worker.drop_adapter(adapter_id)
+        for info in self.adapters.droppable(live):
+            try:
+                await self.worker.drop_adapter(info.adapter_id)
+            except EngineError as e:  # the step loop must not die of it: retried after the next step
+                self.adapters.retire(info)
+                log.warning("lora.drop_failed", adapter=info.adapter_id, error=str(e))
 
     async def _sync_adapters(self) -> None:
         """The worker and the table agree on adapters: ours it lacks (a restarted worker) are

@@ -13,7 +13,7 @@ import pytest
 
 from base.plan import SamplingParams
 from control_plane.engine import EngineCore
-from control_plane.errors import AdapterNotFoundError
+from control_plane.errors import AdapterNotFoundError, InvalidRequestError
 from control_plane.invariants import check_all_free
 from control_plane.scheduler_config import SchedulerConfig
 from tests.worker.lora_adapters import make_adapter, peft_greedy
@@ -125,6 +125,9 @@ def test_unload_lets_running_requests_finish_then_frees_the_weights(setup):
         engine.add_request("late", p, greedy(6), adapter="B")
     with pytest.raises(AdapterNotFoundError, match="'nope' is not loaded"):
         engine.unload_adapter("nope")
+    for bad in ("", "a b", "x@y", "n" * 129):
+        with pytest.raises(InvalidRequestError, match="no '@' or whitespace"):
+            engine.load_adapter(bad, str(root / "B"))
     assert b_id in worker.lora.registry  # still computing "running"
     tokens = engine.run_to_completion()
     assert early + tokens[("running", 0)] == oracle(setup, "B", p, 6)
