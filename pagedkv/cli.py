@@ -329,6 +329,9 @@ def _add_generate_command(sub) -> argparse.ArgumentParser:
     request.add_argument(
         "--cache-salt", metavar="TEXT", help="isolate prefix-cache sharing to requests with this salt"
     )
+    request.add_argument(
+        "--adapter", metavar="NAME", help="run on this loaded LoRA adapter (default: the base model)"
+    )
     output = g.add_argument_group("output")
     form = output.add_mutually_exclusive_group()
     form.add_argument("--json", action="store_true", help="one JSON object per response message")
