@@ -33,10 +33,12 @@ def build_lora_batch(
     num_tokens: Sequence[int],
     registry: AdapterRegistry,
     pinned: Callable[[], Iterable[str]],
-    device: torch.device,
+    device: torch.device | None,
 ) -> LoraBatch | None:
     """The step's batch for `mirrors` (each with `.adapter`) computing `num_tokens[i]` tokens
-    each, in row order; None when every row is on the base model (the forwards skip LoRA)."""
+    each, in row order; None when every row is on the base model (the forwards skip LoRA).
+    `device`: where the torch hooks want each slot's row indices; None: not wanted (the C
+    kernel groups the rows itself)."""
     ids: dict[str, int] = {}
     slots = []
     for mirror, count in zip(mirrors, num_tokens, strict=True):
@@ -46,5 +48,7 @@ def build_lora_batch(
         return None
     adapters = registry.acquire(list(ids), pinned)
     token_slot = torch.tensor(slots, dtype=torch.int32)
+    if device is None:
+        return LoraBatch(adapters, token_slot)
     rows = [torch.nonzero(token_slot == s).flatten().to(device) for s in range(len(ids))]
     return LoraBatch(adapters, token_slot, rows)

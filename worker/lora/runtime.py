@@ -75,7 +75,9 @@ class LoraRuntime:
         reference forward's hooks armed for the same rows until the block ends."""
         batch = None
         if self.uses_adapters(mirrors):
-            batch = build_lora_batch(mirrors, num_tokens, self.registry, self._pinned, self.worker.device)
+            fast = self.worker.fast_forward is not None
+            device = None if fast else self.worker.device
+            batch = build_lora_batch(mirrors, num_tokens, self.registry, self._pinned, device)
         if batch is None:
             yield None
             return
