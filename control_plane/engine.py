@@ -92,6 +92,13 @@ class EngineCore:
         self.adapters.unregister(name)
         self._drop_retired()
 
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort a live request (Scheduler.abort_request); an adapter retired meanwhile whose
+        last request this was is dropped on the worker at once."""
+        outputs = self.scheduler.abort_request(request_id)
+        self._drop_retired()
+        return outputs
+
     def _drop_retired(self) -> None:
         if self.adapters.retired:
             live = (r.adapter for r in self.scheduler.requests.values())

@@ -302,6 +302,7 @@ class AsyncEngine(EngineRequests, EngineAdapters):
                 raise _StepFailed(lost, lost=True)
             await self._plan_ahead(in_flight, depth)
             if not in_flight:
+                await self._drop_retired_adapters()  # e.g. an abort ended an unloaded adapter's last request
                 await self._wait_for_work(sched.has_pending_work())
                 continue
             plan, sent_at = in_flight.popleft()
