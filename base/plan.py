@@ -91,6 +91,9 @@ class NewSequence:
     next_token: int | None = None
     # The prompt's images, in prompt order (vision-language models only); see PlanImage.
     images: list[PlanImage] = field(default_factory=list)
+    # The LoRA adapter id (worker.proto NewSequence.adapter) the sequence is computed with for
+    # its whole life ("" = the base model); forks and resumes carry it again.
+    adapter: str = ""
     feed_last_sample: ClassVar[bool] = False  # a new sequence has no sample to feed
     num_speculative_tokens: ClassVar[int] = 0  # only a mirrored sequence speculates
     num_draft_tokens: ClassVar[int] = 0
@@ -259,6 +262,9 @@ class ModelFacts:
     # Draft-model speculation: e.g. "tiny-draft (1 layers, 2048 bytes/block)"; "" = none. Its pool
     # shares the target's block ids, so num_blocks counts blocks that fit both pools.
     draft_model: str = ""
+    # LoRA (issue 41): adapters resident at once / in one step, and the largest rank accepted.
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     @property
     def accepts_images(self) -> bool:
@@ -273,6 +279,18 @@ class WorkerInfo(ModelFacts):
     tokenizer_json: str = ""  # the checkpoint's tokenizer.json when tokenizer_kind == "hf"
     # Process start to ready, in seconds (worker.proto WorkerInfo.start_seconds); 0 = unmeasured.
     start_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """A registered LoRA adapter: mirrors `pagedkv.v1.AdapterInfo` (fields documented there).
+    `adapter_id` (name@hash) is what NewSequence.adapter and the block hashes carry."""
+
+    name: str
+    adapter_id: str
+    path: str
+    rank: int
+    content_hash: str
 
 
 MODEL_FACT_FIELDS = tuple(f.name for f in fields(ModelFacts))

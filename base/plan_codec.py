@@ -21,6 +21,7 @@ from dataclasses import asdict, fields
 
 from base.plan import (
     MODEL_FACT_FIELDS,
+    AdapterInfo,
     ContinuingSequence,
     KVLayout,
     MemoryBreakdown,
@@ -139,6 +140,8 @@ def _encode_new(s: NewSequence, m: pb.NewSequence, sampling_cache: dict) -> None
     for image in s.images:
         t, h, w = image.grid_thw
         m.images.add(offset=image.offset, grid_t=t, grid_h=h, grid_w=w, data=image.data)
+    if s.adapter:
+        m.adapter = s.adapter
 
 
 def encode_plan(plan: Plan, expected_instance_id: str = "") -> pb.Plan:
@@ -210,6 +213,7 @@ def decode_plan(m: pb.Plan) -> Plan:
                 s.history[:],
                 s.next_token if s.HasField("next_token") else None,
                 [PlanImage(i.offset, (i.grid_t, i.grid_h, i.grid_w), i.data) for i in s.images],
+                s.adapter,
             )
             for s in m.new
         ],
@@ -314,3 +318,13 @@ def encode_worker_info(i: WorkerInfo) -> pb.WorkerInfo:
 def decode_worker_info(m: pb.WorkerInfo) -> WorkerInfo:
     """Raises ValueError on an unset/unknown layout (a worker that predates this protocol)."""
     return WorkerInfo(**decode_facts(m.facts), tokenizer_json=m.tokenizer_json, start_seconds=m.start_seconds)
+
+
+def encode_adapter(a: AdapterInfo) -> epb.AdapterInfo:
+    return epb.AdapterInfo(
+        name=a.name, adapter_id=a.adapter_id, path=a.path, rank=a.rank, content_hash=a.content_hash
+    )
+
+
+def decode_adapter(m: epb.AdapterInfo) -> AdapterInfo:
+    return AdapterInfo(m.name, m.adapter_id, m.path, m.rank, m.content_hash)

@@ -39,6 +39,7 @@ SUITES = [
     "vision",
     "speculative",
     "tensor_parallel",
+    "lora",
 ]
 RESULTS = Path(__file__).parent / "results"
 

@@ -90,6 +90,9 @@ GOALS = (
     Goal("speculative", "repetitive_acceptance", ">=", 0.6, "accepted / proposed on that workload"),
     Goal("speculative", "non_repetitive_speedup", ">=", 0.95,
          "the same ratio on a prompt with nothing to copy (the proposer backs off)"),
+    Goal("lora", "b64_8_adapters_step_ratio", "<=", 1.25,
+         "decode step, batch 64 over 8 rank-16 adapters / the same batch on the base model (CPU, issue 41)"),
+    Goal("lora", "load_ms", "<=", 100, "load a rank-16 adapter of the model's shape (ms)"),
 )  # fmt: skip
 
 

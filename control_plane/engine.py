@@ -16,7 +16,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from base.plan import Plan, SamplingParams, StepResult, WorkerInfo
+from base.plan import AdapterInfo, Plan, SamplingParams, StepResult, WorkerInfo
+from control_plane.adapters import AdapterTable, check_adapter_name
 from control_plane.images import ImageSizeCache, expand_images
 from control_plane.invariants import check_plan, check_scheduler
 from control_plane.request import RequestOutput
@@ -46,6 +47,7 @@ class EngineCore:
         self._in_flight: deque[tuple[Plan, StepResult]] = deque()  # executed, not applied
         self.scheduler = Scheduler(config or SchedulerConfig(), worker.describe())
         self.image_sizes = ImageSizeCache()  # images already decoded (by content hash)
+        self.adapters = AdapterTable()
         if check_invariants is None:
             check_invariants = os.environ.get("PAGEDKV_CHECK_INVARIANTS", "") == "1"
         self.check_invariants = check_invariants
@@ -58,16 +60,50 @@ class EngineCore:
         priority: int = 0,
         cache_salt: str = "",
         images: Sequence[bytes] = (),
+        adapter: str = "",
     ) -> None:
-        """`images`: encoded files, one per image placeholder of the prompt (expanded here)."""
+        """`images`: encoded files, one per image placeholder of the prompt (expanded here).
+        `adapter`: a loaded LoRA adapter's name ("" = the base model)."""
+        adapter_id = self.adapters.resolve(adapter)
         prompt_images = None
         if images or self.scheduler.info.accepts_images:
             prompt_token_ids, prompt_images = expand_images(
                 list(prompt_token_ids), images, self.scheduler.info, self.image_sizes
             )
         self.scheduler.add_request(
-            request_id, prompt_token_ids, sampling or SamplingParams(), priority, cache_salt, prompt_images
+            request_id,
+            prompt_token_ids,
+            sampling or SamplingParams(),
+            priority,
+            cache_salt,
+            prompt_images,
+            adapter_id,
         )
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Load a LoRA adapter on the worker under `name` (see control_plane/adapters.py)."""
+        check_adapter_name(name)
+        info = self.worker.load_adapter(name, path)
+        self.adapters.register(info)
+        self._drop_retired()
+        return info
+
+    def unload_adapter(self, name: str) -> None:
+        self.adapters.unregister(name)
+        self._drop_retired()
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort a live request (Scheduler.abort_request); an adapter retired meanwhile whose
+        last request this was is dropped on the worker at once."""
+        outputs = self.scheduler.abort_request(request_id)
+        self._drop_retired()
+        return outputs
+
+    def _drop_retired(self) -> None:
+        if self.adapters.retired:
+            live = (r.adapter for r in self.scheduler.requests.values())
+            for info in self.adapters.droppable(live):
+                self.worker.unload_adapter(info.adapter_id)
 
     def step(self) -> list[RequestOutput]:
         """One step: schedule and execute a plan, and apply a result (with overlap: the
@@ -86,6 +122,7 @@ class EngineCore:
 
     def _apply(self, plan: Plan, result: StepResult) -> list[RequestOutput]:
         outputs = self.scheduler.update(plan, result)
+        self._drop_retired()
         if self.check_invariants:
             check_scheduler(self.scheduler)
         return outputs

@@ -47,8 +47,10 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from base.logs import get_logger
-from base.plan import Plan, StepResult, WorkerInfo
+from base.plan import AdapterInfo, Plan, StepResult, WorkerInfo
 from base.tokenizer import Tokenizer, make_tokenizer
+from control_plane.adapters import AdapterTable
+from control_plane.engine_adapters import EngineAdapters
 from control_plane.engine_requests import EngineRequests
 from control_plane.errors import (
     EngineError,
@@ -82,6 +84,12 @@ class AsyncWorker(Protocol):
     def hold_lease(self, on_lost: Callable[[], None]) -> None: ...
 
     async def close(self) -> None: ...
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo: ...
+
+    async def drop_adapter(self, adapter_id: str) -> None: ...
+
+    async def list_adapters(self) -> list[AdapterInfo]: ...
 
 
 class EngineObserver(Protocol):
@@ -119,7 +127,7 @@ class _StepFailed(Exception):
         self.error, self.lost = error, lost
 
 
-class AsyncEngine(EngineRequests):
+class AsyncEngine(EngineRequests, EngineAdapters):
     def __init__(
         self,
         worker: AsyncWorker,
@@ -152,6 +160,7 @@ class AsyncEngine(EngineRequests):
         self._observer: EngineObserver | None = None
         # Outputs of the last update not yet streamed (overlap: while the next plan is sent).
         self._held_outputs: list[RequestOutput] = []
+        self.adapters = AdapterTable()  # LoRA adapters by name (control_plane/adapters.py)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -236,6 +245,7 @@ class AsyncEngine(EngineRequests):
             try:
                 info = await self.worker.describe(timeout=self.options.describe_timeout_s)
                 await self.worker.reset(timeout=self.options.describe_timeout_s)
+                await self._sync_adapters()
                 break
             except WorkerOwnedError as e:  # not transient: say so loudly, keep trying
                 if attempt == 1 or attempt % 20 == 0:
@@ -298,6 +308,7 @@ class AsyncEngine(EngineRequests):
                 raise _StepFailed(lost, lost=True)
             await self._plan_ahead(in_flight, depth)
             if not in_flight:
+                await self._drop_retired_adapters()  # e.g. an abort ended an unloaded adapter's last request
                 await self._wait_for_work(sched.has_pending_work())
                 continue
             plan, sent_at = in_flight.popleft()
@@ -309,6 +320,7 @@ class AsyncEngine(EngineRequests):
             # Held, not local: an abort while step k+2 is sent must stream these tokens
             # before its finish, because the finish's usage counts them (_dispatch).
             self._held_outputs = sched.update(plan, result)
+            await self._drop_retired_adapters()
             try:
                 if overlap:  # the worker gets step k+2 before step k's tokens are streamed
                     await self._plan_ahead(in_flight, depth)

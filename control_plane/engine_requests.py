@@ -51,11 +51,13 @@ class EngineRequests:
         priority: int = 0,
         cache_salt: str = "",
         images: Sequence[bytes] = (),
+        adapter: str = "",
     ) -> RequestStream:
         """Admit a request; raises an EngineError (mapped to a gRPC status by the service).
         Field sizes were checked where the request was decoded (api_codec); the text's length
         is checked here before tokenizing, the prompt's by the scheduler before scanning it."""
         self._require_available()
+        adapter_id = self.adapters.resolve(adapter)  # NOT_FOUND naming it, before any work
         if (prompt_token_ids is None) == (text is None):
             raise InvalidRequestError("send exactly one of `text` and `token_ids`")
         if text is not None:
@@ -75,8 +77,9 @@ class EngineRequests:
         if images or self.info.accepts_images:
             prompt_token_ids, prompt_images = await self._expand_images(list(prompt_token_ids), images)
         request_id = request_id or uuid.uuid4().hex
+        adapter_id = self.adapters.resolve(adapter)  # unloaded while we tokenized: NOT_FOUND
         req = self.scheduler.add_request(
-            request_id, prompt_token_ids, sampling, priority, cache_salt, prompt_images
+            request_id, prompt_token_ids, sampling, priority, cache_salt, prompt_images, adapter_id
         )
         stream = RequestStream(
             request_id, sampling.n, self.tokenizer, sampling.stop, req.arrival, sampling.min_tokens

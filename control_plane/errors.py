@@ -37,3 +37,12 @@ class DuplicateRequestError(EngineError):
 
 class WorkerUnavailableError(EngineError):
     grpc_code = "UNAVAILABLE"
+
+
+class AdapterNotFoundError(EngineError, KeyError):
+    """A request or an unload names a LoRA adapter that is not loaded."""
+
+    grpc_code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

@@ -116,6 +116,9 @@ class Request:
     prompt_logprobs: list[PromptTokenLogprob] = field(default_factory=list)
     # Vision-language models: the prompt's images, placeholders already expanded (in order)
     images: list[PromptImage] = field(default_factory=list)
+    # The LoRA adapter id (control_plane/adapters.py) every sequence of it is computed with;
+    # "" = the base model. Also part of `extra_keys`: blocks are shared only within one adapter.
+    adapter: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -101,9 +101,11 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         priority: int = 0,
         cache_salt: str = "",
         images: list[PromptImage] | None = None,
+        adapter: str = "",
     ) -> Request:
         """Queue a request. Raises a control_plane.errors exception when it is wrong or can never run.
-        `images`: control_plane.images.expand_images' output for these (expanded) prompt ids."""
+        `images`: control_plane.images.expand_images' output for these (expanded) prompt ids.
+        `adapter`: a LoRA adapter id the worker has registered (control_plane/adapters.py)."""
         if request_id in self.requests:
             raise DuplicateRequestError(f"request id {short(request_id)!r} is already live; use a unique id")
         check_request(
@@ -123,8 +125,9 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
             cache_salt,
             self._arrival,
             eos_token_ids=() if sampling.ignore_eos else tuple(self.info.eos_token_ids),
-            extra_keys=make_extra_keys(cache_salt),
+            extra_keys=make_extra_keys(cache_salt, adapter),
             images=list(images or ()),
+            adapter=adapter,
         )
         req.stop_ids = frozenset(stop_ids.union(req.eos_token_ids))
         if sampling.is_beam_search:
@@ -264,8 +267,15 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
     def _schedule_waiting(self, plan: Plan, budget: int) -> None:
         taken = self.num_seats_taken()
         image_bytes = 0  # encoded images this plan carries (the encoder budget, in bytes)
+        adapters: set[str] | None = None  # of the running sequences, found when first needed
         while budget > 0:
             seq = self._peek_waiting()
+            if seq is not None and seq.request.adapter:
+                if adapters is None:
+                    adapters = {s.request.adapter for s in self.running if s.request.adapter}
+                if seq.request.adapter not in adapters and len(adapters) >= self.info.max_loras:
+                    return  # the worker holds max_loras adapters at once: FCFS, it waits
+                adapters.add(seq.request.adapter)
             if seq is not None and seq.request.beam is not None:
                 admitted = self._admit_beam_group(plan, seq.request, budget, taken)
                 if admitted is None:
@@ -363,6 +373,7 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
                     seq.token_ids[:start] if _needs_history(req.sampling) else [],
                     _next_prompt_token(seq, start + len(tokens)),
                     [image.for_plan(start) for image in req.images],
+                    req.adapter,
                 )
             )
             seq.synced = True

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2
 
 from base.grpc_util import SERVER_OPTIONS, add_health_and_reflection, bind_and_start, set_serving
 from base.logs import get_logger
+from base.plan_codec import encode_adapter
 from base.security import ServerSecurity
 from base.service_registry import add_service, checks_malformed, refuse_malformed
 from base.v1 import engine_pb2, engine_pb2_grpc
@@ -80,6 +81,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 priority=request.priority,
                 cache_salt=request.cache_salt,
                 images=[image.data for image in request.images],
+                adapter=request.adapter,
             )
         except EngineError as e:
             rid = short(request.request_id)
@@ -130,6 +132,21 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             raise WorkerUnavailableError("no worker has connected yet; retry shortly")
         s = e.scheduler
         return api_codec.encode_model_info(e.info, e.config, s.max_model_len, s.max_running)
+
+    @_unary
+    async def LoadAdapter(self, request, context):
+        return encode_adapter(await self.engine.load_adapter(request.name, request.path))
+
+    @_unary
+    async def UnloadAdapter(self, request, context):
+        await self.engine.unload_adapter(request.name)
+        return engine_pb2.UnloadAdapterResponse()
+
+    @_unary
+    async def ListAdapters(self, request, context):
+        return engine_pb2.ListAdaptersResponse(
+            adapters=[encode_adapter(a) for a in self.engine.list_adapters()]
+        )
 
     @_unary
     async def Tokenize(self, request, context):

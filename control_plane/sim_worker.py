@@ -14,7 +14,13 @@ releases (ContinuingSequence.num_released_blocks; a release the window still rea
 
 So a wrong table entry, a missing copy, a stale prefix-cache hit or a block reused while still
 referenced changes the tokens, and tests comparing against `reference_tokens` (computed
-without any paging) catch it. `verify=False` skips the read-back (transport benchmarks).
+without any paging) catch it.
+
+LoRA adapters: `load_adapter` registers an id (name@hash of the path); a sequence's slots hold
+its tokens tagged with its adapter (`adapter_tag`), as real KV holds values only that adapter
+computes. A block of one adapter read by a request on another (a prefix-cache hit across
+adapters) therefore changes its tokens, and a plan naming an unregistered id is refused.
+`verify=False` skips the read-back (transport benchmarks).
 """
 
 from __future__ import annotations
@@ -23,8 +29,20 @@ import time
 from array import array
 from hashlib import blake2b
 
-from base.plan import NULL_BLOCK_ID, Plan, SeqOutput, StepResult, WorkerInfo
+from base.plan import NULL_BLOCK_ID, AdapterInfo, Plan, SeqOutput, StepResult, WorkerInfo
 from control_plane.beam_search import Beam
+
+
+def adapter_tag(adapter_id: str) -> int:
+    """What a slot adds to the token an adapter's sequence wrote there (0 for the base model).
+    Tags sit above bit 20: vocabularies stay below 2^20."""
+    if not adapter_id:
+        return 0
+    return (int.from_bytes(blake2b(adapter_id.encode(), digest_size=4).digest(), "little") % 1023 + 1) << 20
+
+
+def sim_adapter_id(name: str, path: str) -> str:
+    return f"{name}@{blake2b(path.encode(), digest_size=8).hexdigest()}"
 
 
 def sim_next_token(context: list[int], sample_index: int, vocab_size: int) -> int:
@@ -78,14 +96,16 @@ def reference_tokens(
     vocab_size: int,
     stop_ids: frozenset[int] = frozenset(),
     window: int = 0,
+    adapter_id: str = "",
 ) -> list[int]:
     """What a correct engine must produce for one sample, with no paging involved."""
-    seq = list(prompt)
+    tag = adapter_tag(adapter_id)
+    seq = [t | tag for t in prompt]
     out = []
     for _ in range(max_tokens):
         t = sim_next_token(seq[-window:] if window else seq, sample_index, vocab_size)
         out.append(t)
-        seq.append(t)
+        seq.append(t | tag)
         if t in stop_ids:
             break
     return out
@@ -101,6 +121,7 @@ class SimWorker:
         eos_token_ids: tuple[int, ...] = (),
         verify: bool = True,
         window: int = 0,
+        max_loras: int = 4,
     ) -> None:
         self.block_size = block_size
         self.verify = verify
@@ -122,7 +143,11 @@ class SimWorker:
             eos_token_ids=eos_token_ids,
             sliding_window=window,
             draft_model="sim-draft",  # ContinuingSequence.num_draft_tokens: see _draft
+            max_loras=max_loras,
+            max_lora_rank=64,
         )
+        self.registered: dict[str, AdapterInfo] = {}  # LoRA adapter id -> info
+        self.seq_adapters: dict[int, str] = {}  # seq id -> its adapter id ("" = the base model)
         self.slots = array("i", [-1]) * (num_blocks * block_size)
         self.tables: dict[int, list[int]] = {}
         self.sample_index: dict[int, int] = {}
@@ -132,7 +157,21 @@ class SimWorker:
     def describe(self) -> WorkerInfo:
         return self._info
 
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        adapter_id = sim_adapter_id(name, path)
+        info = AdapterInfo(name, adapter_id, path, 8, adapter_id.partition("@")[2])
+        self.registered.setdefault(adapter_id, info)
+        return info
+
+    def unload_adapter(self, adapter_id: str) -> None:
+        if self.registered.pop(adapter_id, None) is None:
+            raise ValueError(f"adapter {adapter_id!r} is not registered")
+
+    def adapters(self) -> list[AdapterInfo]:
+        return list(self.registered.values())
+
     def reset(self) -> None:
+        self.seq_adapters.clear()
         self.tables.clear()
         self.sample_index.clear()
         self.last_sample.clear()
@@ -143,9 +182,13 @@ class SimWorker:
                 raise ValueError(f"finished sequence {seq_id} is not mirrored")
             self.sample_index.pop(seq_id, None)
             self.last_sample.pop(seq_id, None)
+            self.seq_adapters.pop(seq_id, None)
         for s in plan.new:
             if s.seq_id in self.tables:
                 raise ValueError(f"new sequence {s.seq_id} already mirrored")
+            if s.adapter and s.adapter not in self.registered:
+                raise ValueError(f"new sequence {s.seq_id} names adapter {s.adapter!r}, not registered")
+            self.seq_adapters[s.seq_id] = s.adapter
             self.tables[s.seq_id] = list(s.block_ids)
             self.sample_index[s.seq_id] = s.sample_index
         for s in plan.continuing:
@@ -233,12 +276,15 @@ class SimWorker:
         return out
 
     def _write(self, seq_id: int, start: int, tokens: list[int]) -> None:
-        table, bs = self.tables[seq_id], self.block_size
+        adapter = self.seq_adapters[seq_id]
+        if adapter and adapter not in self.registered:
+            raise ValueError(f"sequence {seq_id} computed with adapter {adapter!r}, which was dropped")
+        table, bs, tag = self.tables[seq_id], self.block_size, adapter_tag(adapter)
         for pos, tok in enumerate(tokens, start):
             block = table[pos // bs]
             if block == NULL_BLOCK_ID:
                 raise ValueError(f"sequence {seq_id} writes position {pos} into the null block")
-            self.slots[block * bs + pos % bs] = tok
+            self.slots[block * bs + pos % bs] = tok | tag
 
     def _read(self, seq_id: int, length: int) -> list[int]:
         """The context a step at position length - 1 attends to: all of it, or its window."""

@@ -29,11 +29,16 @@ from typing import TypeVar
 import grpc
 
 from base.grpc_util import CHANNEL_OPTIONS, OWNER_METADATA_KEY, normalize_address
-from base.plan import Plan, StepResult, WorkerInfo
-from base.plan_codec import decode_result, decode_worker_info, encode_plan
+from base.plan import AdapterInfo, Plan, StepResult, WorkerInfo
+from base.plan_codec import decode_adapter, decode_result, decode_worker_info, encode_plan
 from base.security import ClientSecurity
-from base.v1 import worker_pb2
-from control_plane.errors import EngineError, WorkerUnavailableError
+from base.v1 import engine_pb2, worker_pb2
+from control_plane.errors import (
+    AdapterNotFoundError,
+    EngineError,
+    InvalidRequestError,
+    WorkerUnavailableError,
+)
 
 _SERVICE = "/pagedkv.v1.Worker/"
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
@@ -130,6 +135,15 @@ class WorkerClient:
             request_serializer=worker_pb2.ResetRequest.SerializeToString,
             response_deserializer=worker_pb2.ResetResponse.FromString,
         )
+        self._adapter_rpcs = {
+            name: ch.unary_unary(_SERVICE + name, request_serializer=req.SerializeToString,
+                                 response_deserializer=resp.FromString)
+            for name, req, resp in (
+                ("LoadAdapter", engine_pb2.LoadAdapterRequest, engine_pb2.AdapterInfo),
+                ("DropAdapter", worker_pb2.DropAdapterRequest, worker_pb2.DropAdapterResponse),
+                ("ListAdapters", engine_pb2.ListAdaptersRequest, engine_pb2.ListAdaptersResponse),
+            )
+        }  # fmt: skip
         self._call: grpc.aio.StreamStreamCall | None = None
         self._in_flight: deque[int] = deque()  # step ids sent on self._call, not yet answered
         self._on_lost: Callable[[], None] | None = None
@@ -142,6 +156,32 @@ class WorkerClient:
         except grpc.aio.AioRpcError as e:
             raise _translate_rpc_error(e, self.target, "Describe") from None
         return decode_worker_info(msg)
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """LoadAdapter; the worker's refusal (INVALID_ARGUMENT) is the caller's InvalidRequestError.
+        No timeout beyond the step timeout: it waits for the plans ahead of it."""
+        msg = await self._adapter_call("LoadAdapter", engine_pb2.LoadAdapterRequest(name=name, path=path))
+        return decode_adapter(msg)
+
+    async def drop_adapter(self, adapter_id: str) -> None:
+        await self._adapter_call("DropAdapter", worker_pb2.DropAdapterRequest(adapter_id=adapter_id))
+
+    async def list_adapters(self) -> list[AdapterInfo]:
+        msg = await self._adapter_call("ListAdapters", engine_pb2.ListAdaptersRequest())
+        return [decode_adapter(a) for a in msg.adapters]
+
+    async def _adapter_call(self, name: str, request):
+        try:
+            return await self._adapter_rpcs[name](
+                request, timeout=self.step_timeout_s, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as e:
+            details = (e.details() or "").removeprefix("load_adapter failed: ")
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidRequestError(details) from None
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise AdapterNotFoundError(details) from None
+            raise _translate_rpc_error(e, self.target, name) from None
 
     @property
     def num_in_flight(self) -> int:

@@ -51,8 +51,9 @@ SOURCES = (
     "cpu_sampling.c",
     "cpu_decoder.c",
     "cpu_attention.c",
+    "cpu_lora.c",
 )
-HEADERS = ("cpu_simd.h", "cpu_kv_quant.h", "cpu_attention.h", "cpu_attention_decode.h")
+HEADERS = ("cpu_simd.h", "cpu_kv_quant.h", "cpu_attention.h", "cpu_attention_decode.h", "cpu_lora.h")
 BASE_OPTIONS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
 # A compiler without an OpenMP runtime (clang without libomp) still builds the kernels, run on one
 # thread: slower than torch's threads would be, faster than the reference forward.

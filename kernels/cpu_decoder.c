@@ -12,9 +12,11 @@
  * worker/cpu_decoder.py; change both together (a test compares the field lists).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_attention.h"
+#include "cpu_lora.h"
 #include "cpu_simd.h"
 
 int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, const void *w, const float *bias,
@@ -70,6 +72,7 @@ typedef struct {
     int64_t num_seqs, block_size;
     const int64_t *sample_rows; /* [R]: token rows that sample, in output order */
     int64_t num_sample_rows;
+    const PkLora *lora; /* per-row LoRA deltas (cpu_lora.h); NULL: every row on the base model */
 } PkStep;
 
 static int linear(const PkLinear *l, float *y, const float *x, int64_t rows, int threads) {
@@ -112,11 +115,65 @@ int64_t pk_decoder_scratch_bytes(const PkModel *m, int64_t tokens) {
     return carve(m, tokens, NULL).floats * (int64_t)sizeof(float);
 }
 
+/* A step's LoRA working set: its rows grouped by adapter slot (all rows, and the sampling rows
+ * the last layer keeps), the shrink outputs, and each module's output columns in its linear. */
+typedef struct {
+    const PkLora *lo;
+    PkLoraRows all, sampled;
+    float *tmp;
+    int64_t col[PK_LORA_MODULES], n[PK_LORA_MODULES];
+    void *block;
+} Lora;
+
+static int lora_open(Lora *l, const PkModel *m, const PkStep *s) {
+    memset(l, 0, sizeof *l);
+    if (!(l->lo = s->lora) || s->lora->num_slots == 0) return 0;
+    const int64_t S = s->lora->num_slots, T = s->tokens, R = s->num_sample_rows;
+    if (S > PK_LORA_MAX_SLOTS) return -11;
+    const size_t tmp_floats = (size_t)(PK_LORA_MAX_FUSED * T * s->lora->max_rank);
+    l->block = malloc((size_t)(2 * (S + 1) + T + R) * sizeof(int64_t) + tmp_floats * sizeof(float));
+    if (!l->block) return -12;
+    int64_t *ints = l->block;
+    l->all = (PkLoraRows){S, ints, ints + S + 1};
+    l->sampled = (PkLoraRows){S, ints + S + 1 + T, ints + 2 * (S + 1) + T};
+    l->tmp = (float *)(ints + 2 * (S + 1) + T + R);
+    pk_lora_group(&l->all, s->lora->token_slot, NULL, T);
+    pk_lora_group(&l->sampled, s->lora->token_slot, s->sample_rows, R);
+    const int64_t HD = m->heads * m->head_dim, KV = m->kv_heads * m->head_dim, I = m->inter;
+    const int64_t col[PK_LORA_MODULES] = {0, HD, HD + KV, 0, 0, I, 0};
+    const int64_t n[PK_LORA_MODULES] = {HD, KV, KV, m->hidden, I, I, m->hidden};
+    memcpy(l->col, col, sizeof col);
+    memcpy(l->n, n, sizeof n);
+    return 0;
+}
+
+/* Adds modules [first, first + count)'s deltas to linear output y (width ldy) of input x. */
+static void lora_add(const Lora *l, int last, int64_t li, int first, int count, float *y, int64_t ldy,
+                     const float *x, int64_t ldx, int threads) {
+    if (l->lo)
+        pk_lora_add(l->lo, last ? &l->sampled : &l->all, li, first, count, l->col, l->n, y, ldy, x, ldx, ldx,
+                    l->tmp, threads);
+}
+
+static int decoder_layers(const PkModel *m, const PkStep *s, float *x, float *out, float *scratch, int threads,
+                          const Lora *lora);
+
 /* x [T, hidden]: the embeddings in, the residual stream (overwritten). out [R, hidden]: the
  * final-norm rows that sample. scratch: pk_decoder_scratch_bytes(m, T) bytes. Returns 0, -10
  * for a layer whose panels pad K (odd K in bf16: the caller runs the per-op path), or the
- * failing kernel's negative status. */
+ * failing kernel's negative status; -11 / -12 for more LoRA slots than
+ * PK_LORA_MAX_SLOTS / no memory for the LoRA working set. */
 int pk_decoder(const PkModel *m, const PkStep *s, float *x, float *out, float *scratch, int threads) {
+    Lora lora;
+    int status = lora_open(&lora, m, s);
+    if (status) return status;
+    status = decoder_layers(m, s, x, out, scratch, threads, &lora);
+    free(lora.block);
+    return status;
+}
+
+static int decoder_layers(const PkModel *m, const PkStep *s, float *x, float *out, float *scratch, int threads,
+                          const Lora *lora) {
     const int64_t T = s->tokens, D = m->hidden, HD = m->heads * m->head_dim, I = m->inter;
     const Buffers b = carve(m, T, scratch);
     float *h = b.h, *q = b.q, *attended = b.attended, *wide = b.wide, *act = b.act;
@@ -127,6 +184,7 @@ int pk_decoder(const PkModel *m, const PkStep *s, float *x, float *out, float *s
             return -10;
         int status = linear(&L->qkv, wide, h, T, threads);
         if (status) return status;
+        lora_add(lora, 0, li, 0, 3, wide, L->qkv.n, h, D, threads);
         qkv_rope_store(wide, s->cos, s->sin, s->slots, L->q_norm, L->k_norm, q, L->k_cache, L->v_cache,
                        m->kv_dtype, T, m->heads, m->kv_heads, m->head_dim, m->eps, L->k_exps, L->v_exps, L->k_scale,
                        L->v_scale, threads);
@@ -142,11 +200,15 @@ int pk_decoder(const PkModel *m, const PkStep *s, float *x, float *out, float *s
             rows = s->num_sample_rows;
         }
         const float *next_norm = li == m->num_layers - 1 ? m->final_norm : m->layers[li + 1].input_norm;
+        const int last = li == m->num_layers - 1;
         if ((status = linear(&L->o, wide, attended, rows, threads))) return status;
+        lora_add(lora, last, li, 3, 1, wide, D, attended, HD, threads);
         add_rms_norm(x, wide, h, L->post_norm, rows, D, m->eps, threads);
         if ((status = linear(&L->gate_up, wide, h, rows, threads))) return status;
+        lora_add(lora, last, li, 4, 2, wide, 2 * I, h, D, threads);
         silu_mul(act, wide, rows, I, threads);
         if ((status = linear(&L->down, wide, act, rows, threads))) return status;
+        lora_add(lora, last, li, 6, 1, wide, D, act, I, threads);
         add_rms_norm(x, wide, li == m->num_layers - 1 ? out : h, next_norm, rows, D, m->eps, threads);
     }
     return 0;

@@ -200,6 +200,23 @@ def programs_for(geometry: AttentionGeometry) -> list[ProgramSpec]:
     return specs if prefill is None else [*specs, prefill]
 
 
+# kernels/lora_sgmv.cu launch geometry (kShrinkWarps, kExpandThreads; a test reads the source).
+LORA_SHRINK_WARPS = 4
+LORA_EXPAND_THREADS = 128
+
+
+def lora_program(dtype: str) -> ProgramSpec:
+    """The multi-LoRA shrink and expand kernels for activations of `dtype` (issue 41)."""
+    t = CXX_TYPES[dtype]
+    return ProgramSpec("lora_sgmv.cu", (f"pkv::lora_shrink_kernel<{t}>", f"pkv::lora_expand_kernel<{t}>"))
+
+
+def lora_grids(rows: int, max_rank: int, n: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(shrink grid, expand grid) of one module's launch over `rows` rows (lora_sgmv.cu);
+    blocks are LORA_SHRINK_WARPS * 32 and LORA_EXPAND_THREADS threads."""
+    return (rows, -(-max_rank // LORA_SHRINK_WARPS)), (rows, -(-n // LORA_EXPAND_THREADS))
+
+
 def codes_per_word(bits: int) -> int:
     return 32 // bits
 

@@ -33,6 +33,7 @@ from pagedkv.cli_flags import (  # argparse value types and flag groups, shared 
     add_speculative_flags,
     block_size_arg,
     int_in,
+    lora_spec,
     non_negative_int,
     num_blocks_arg,
     parse_bytes,
@@ -141,6 +142,23 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
         help="fused CPU forward: hold the lm_head (or tied embedding) as int8 codes (about half the bytes "
         "a decoded token reads on small models; logits move by ~1e-3)",
     )
+    p.add_argument(
+        "--lora",
+        type=lora_spec,
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the PEFT LoRA adapter in directory PATH as NAME (requests name it as their adapter, "
+        "or as the OpenAI `model`); repeatable. More load at run time (LoadAdapter)",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=positive_int,
+        default=4,
+        help="LoRA adapters resident in the worker at once and in one step (others are read back from "
+        "their files on demand, the least recently used unused one evicted)",
+    )
+    p.add_argument("--max-lora-rank", type=positive_int, default=64, help="largest LoRA rank accepted")
     if not for_serve:  # serve derives it from --max-num-seqs
         p.add_argument(
             "--cuda-graph-max-batch-size",
@@ -313,6 +331,9 @@ def _add_generate_command(sub) -> argparse.ArgumentParser:
     )
     request.add_argument(
         "--cache-salt", metavar="TEXT", help="isolate prefix-cache sharing to requests with this salt"
+    )
+    request.add_argument(
+        "--adapter", metavar="NAME", help="run on this loaded LoRA adapter (default: the base model)"
     )
     output = g.add_argument_group("output")
     form = output.add_mutually_exclusive_group()

@@ -31,6 +31,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def lora_spec(text: str) -> tuple[str, str]:
+    """`--lora NAME=PATH`: a PEFT adapter directory served under NAME."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT adapter directory), got {text!r}")
+    return name, path
+
+
 def port_number(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:

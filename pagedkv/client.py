@@ -116,12 +116,14 @@ def build_request(
     length_penalty: float | None = None,
     early_stopping: str = "heuristic",
     images: Sequence[bytes] = (),
+    adapter: str = "",
     **sampling_fields,
 ) -> engine_pb2.GenerateRequest:
     """A GenerateRequest from keyword arguments (exactly one of `prompt` and `token_ids`);
     any other SamplingParams field (presence_penalty=0.5, logit_bias={7: -100.0},
     top_logprobs=5, prompt_logprobs=0, ...) by its proto name. `images`: encoded files, one per
-    image placeholder of the prompt (vision-language models)."""
+    image placeholder of the prompt (vision-language models). `adapter`: a loaded LoRA adapter's
+    name (Engine.LoadAdapter)."""
     if (prompt is None) == (token_ids is None):
         raise ValueError("pass exactly one of `prompt` (text) and `token_ids`")
     sampling = engine_pb2.SamplingParams(
@@ -148,6 +150,7 @@ def build_request(
         priority=priority,
         cache_salt=cache_salt,
         images=[engine_pb2.ImageInput(data=bytes(data)) for data in images],
+        adapter=adapter,
     )
 
 
@@ -254,6 +257,17 @@ class Client(_EngineChannel):
     def model_info(self, timeout: float | None = None) -> engine_pb2.ModelInfo:
         return self._unary(self._stub.GetModelInfo, engine_pb2.GetModelInfoRequest(), timeout)
 
+    def load_adapter(self, name: str, path: str, timeout: float | None = None) -> engine_pb2.AdapterInfo:
+        """Load the PEFT LoRA adapter in directory `path` (on the worker's machine) as `name`."""
+        req = engine_pb2.LoadAdapterRequest(name=name, path=path)
+        return self._unary(self._stub.LoadAdapter, req, timeout)
+
+    def unload_adapter(self, name: str, timeout: float | None = None) -> None:
+        self._unary(self._stub.UnloadAdapter, engine_pb2.UnloadAdapterRequest(name=name), timeout)
+
+    def list_adapters(self, timeout: float | None = None) -> list[engine_pb2.AdapterInfo]:
+        return list(self._unary(self._stub.ListAdapters, engine_pb2.ListAdaptersRequest(), timeout).adapters)
+
     def tokenize(
         self, text: str, add_special_tokens: bool = False, timeout: float | None = None
     ) -> engine_pb2.TokenizeResponse:
@@ -344,6 +358,18 @@ class AsyncClient(_EngineChannel):
 
     async def model_info(self, timeout: float | None = None) -> engine_pb2.ModelInfo:
         return await self._unary(self._stub.GetModelInfo, engine_pb2.GetModelInfoRequest(), timeout)
+
+    async def load_adapter(self, name: str, path: str, timeout: float | None = None):
+        """Load the PEFT LoRA adapter in directory `path` as `name`; its engine_pb2.AdapterInfo."""
+        req = engine_pb2.LoadAdapterRequest(name=name, path=path)
+        return await self._unary(self._stub.LoadAdapter, req, timeout)
+
+    async def unload_adapter(self, name: str, timeout: float | None = None) -> None:
+        await self._unary(self._stub.UnloadAdapter, engine_pb2.UnloadAdapterRequest(name=name), timeout)
+
+    async def list_adapters(self, timeout: float | None = None) -> list[engine_pb2.AdapterInfo]:
+        reply = await self._unary(self._stub.ListAdapters, engine_pb2.ListAdaptersRequest(), timeout)
+        return list(reply.adapters)
 
     async def tokenize(
         self, text: str, add_special_tokens: bool = False, timeout: float | None = None

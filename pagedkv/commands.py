@@ -65,6 +65,7 @@ def request_kwargs(args) -> dict:
         request_id=args.request_id or "",
         priority=args.priority,
         cache_salt=args.cache_salt or "",
+        adapter=args.adapter or "",
         beam_width=args.beam_width,
         length_penalty=args.length_penalty,
         early_stopping=args.early_stopping,

@@ -84,6 +84,9 @@ def worker_config_from_args(args):
         cpu_kernels=args.cpu_kernels,
         lm_head_int8=args.lm_head_int8,
         draft_model=args.draft_model,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        loras=tuple(args.lora),
     )
     config.validate()
     return config

@@ -78,8 +78,9 @@ def child_commands(args, tmpdir: Path) -> tuple[list[str], list[str], Path]:
     worker_flags = ["model", "device", "dtype", "block_size", "num_blocks", "kv_cache_memory", "kv_layout"]
     worker_flags += ["kv_cache_dtype", "draft_model"]
     worker_flags += ["max_model_len", "cuda_graph", "gpu_memory_utilization", "max_num_batched_tokens"]
-    worker_flags += ["cpu_kernels", "lm_head_int8", "shutdown_grace"]
+    worker_flags += ["cpu_kernels", "lm_head_int8", "shutdown_grace", "max_loras", "max_lora_rank"]
     worker += _flags(args, worker_flags)
+    worker += [arg for name, path in args.lora for arg in ("--lora", f"{name}={path}")]
     # Every decode batch the control plane can form then fits a captured graph.
     worker += ["--cuda-graph-max-batch-size", str(args.max_num_seqs)]
     worker += _metrics_flags(args, worker_metrics_port(args.metrics_port))

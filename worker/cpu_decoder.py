@@ -47,6 +47,7 @@ class PkStep(ctypes.Structure):
         ("tokens", _I64), ("cos", _P), ("sin", _P), ("slots", _P), ("block_tables", _P),
         ("table_width", _I64), ("table_rows", _P), ("seq_lens", _P), ("query_start_loc", _P),
         ("num_seqs", _I64), ("block_size", _I64), ("sample_rows", _P), ("num_sample_rows", _I64),
+        ("lora", _P),
     ]  # fmt: skip
 
 
@@ -106,9 +107,10 @@ class DecoderStack:
             self._scratch = torch.empty(need)
         return self._scratch
 
-    def run(self, ops: CpuOps, inputs, x: Tensor, threads: int, rows: Tensor) -> Tensor:
+    def run(self, ops: CpuOps, inputs, x: Tensor, threads: int, rows: Tensor, lora: int | None = None):
         """x [T, hidden] fp32 (embeddings; becomes the residual stream) -> the final-norm hidden
-        states of `rows` (int64, ascending, distinct: the C side gathers them in place)."""
+        states of `rows` (int64, ascending, distinct: the C side gathers them in place).
+        `lora`: the address of a PkLora (worker/lora/cpu_apply.py) for per-row adapter deltas."""
         meta = inputs.attention
         rows = rows.contiguous()
         freqs = inputs.positions[:, None].to(torch.float32) * self.forward.inv_freq[None, :]
@@ -119,7 +121,7 @@ class DecoderStack:
             inputs.num_tokens, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
             tables.data_ptr(), tables.stride(0), _ptr(meta.block_table_rows), meta.seq_lens.data_ptr(),
             meta.query_start_loc.data_ptr(), meta.seq_lens.shape[0], self.kv_cache.addressing_block_size,
-            rows.data_ptr(), rows.shape[0],
+            rows.data_ptr(), rows.shape[0], lora,
         )  # fmt: skip
         scratch = self.scratch(ops, inputs.num_tokens)
         status = ops.pk_decoder(ctypes.byref(self.model), ctypes.byref(step), x.data_ptr(), out.data_ptr(),

@@ -208,12 +208,14 @@ class FastCpuForward:
             raise ValueError(f"row_lse_topk: k = {k} is outside what the kernel takes (status {status})")
         return lse, ids, values
 
-    def __call__(self, inputs: ModelInputs, kv_cache, rows: list[int] | None = None) -> Tensor:
+    def __call__(self, inputs: ModelInputs, kv_cache, rows: list[int] | None = None, lora=None) -> Tensor:
         """The final-norm hidden states of `rows` (ascending flat token rows; default: the
         sampling rows), from one C call for the whole decoder stack (kernels/cpu_decoder.c;
-        worker/cpu_decoder.py builds its view of the layers once)."""
+        worker/cpu_decoder.py builds its view of the layers once). `lora`: the step's
+        worker.lora.cpu_apply.CpuLoraStep (per-row adapter deltas), or None."""
         if self._stack is None or self._stack.kv_cache is not kv_cache:
             self._stack = DecoderStack(self, kv_cache)
         x = self._embed(inputs.input_ids)
         keep = inputs.logits_indices if rows is None else torch.tensor(rows, dtype=torch.int64)
-        return self._stack.run(self.ops, inputs, x, torch.get_num_threads(), keep)
+        pointer = None if lora is None else lora.address
+        return self._stack.run(self.ops, inputs, x, torch.get_num_threads(), keep, pointer)

@@ -33,3 +33,20 @@ class WorkerConfigError(WorkerError, ValueError):
     """The worker's own settings are inconsistent (KV budget too small, unknown layout, ...)."""
 
     grpc_code = "INVALID_ARGUMENT"
+
+
+class AdapterError(WorkerError, ValueError):
+    """A LoRA adapter cannot be loaded onto this model: unreadable or corrupt files, an
+    unsupported option, a rank above --max-lora-rank, target modules the model lacks, or
+    shapes of another base model. Raised before anything is registered (nothing half-loaded)."""
+
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class AdapterNotFoundError(WorkerError, KeyError):
+    """A plan or an unload names an adapter this worker has not registered."""
+
+    grpc_code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

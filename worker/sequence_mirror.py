@@ -48,6 +48,7 @@ class SequenceMirror:
     # Vision-language models: the prompt's images, their rotary shift and encoder outputs
     # not yet consumed (worker.vision.images.SequenceImages); None for a text-only prompt.
     images: object | None = None
+    adapter: str = ""  # the LoRA adapter id its tokens are computed with ("" = the base model)
 
 
 class SequenceMirrors:
@@ -86,6 +87,7 @@ class SequenceMirrors:
             sample_index=seq.sample_index,
             num_computed_tokens=seq.start_pos + len(seq.token_ids),
             prompt_len=seq.prompt_len,
+            adapter=seq.adapter,
         )
         while mirror.num_released < len(mirror.block_ids) and not mirror.block_ids[mirror.num_released]:
             mirror.num_released += 1  # a sliding window's released entries (the null block)

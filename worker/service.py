@@ -40,12 +40,12 @@ from base.grpc_util import (
     set_serving,
 )
 from base.logs import get_logger
-from base.plan import Plan, StepResult, WorkerInfo
-from base.plan_codec import decode_plan, encode_result, encode_worker_info
+from base.plan import AdapterInfo, Plan, StepResult, WorkerInfo
+from base.plan_codec import decode_plan, encode_adapter, encode_result, encode_worker_info
 from base.process_age import process_age_s
 from base.security import ServerSecurity
 from base.service_registry import MalformedRequest, add_service, checks_malformed
-from base.v1 import worker_pb2, worker_pb2_grpc
+from base.v1 import engine_pb2, worker_pb2, worker_pb2_grpc
 from worker.memory_profile import log_fields as memory_log_fields
 from worker.owner_lease import LeaseHeldError, OwnerLease
 
@@ -59,6 +59,12 @@ class WorkerLike(Protocol):
     def execute(self, plan: Plan) -> StepResult: ...
 
     def reset(self) -> None: ...
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo: ...
+
+    def unload_adapter(self, adapter_id: str) -> None: ...
+
+    def adapters(self) -> list[AdapterInfo]: ...
 
 
 def geometry_fields(info: WorkerInfo) -> dict:
@@ -271,6 +277,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await self._abort_for(context, "reset", e)
         log.info("worker.reset", instance_id=self._instance_id, owner=owner)
         return worker_pb2.ResetResponse(instance_id=self._instance_id, previous_owner_id=previous or "")
+
+    async def LoadAdapter(self, request, context):
+        """On the step thread, between plans: the registry is never changed under a forward."""
+        worker = await self._require_worker(context)
+        try:
+            info = await asyncio.get_running_loop().run_in_executor(
+                self._executor, worker.load_adapter, request.name, request.path
+            )
+        except Exception as e:  # noqa: BLE001
+            await self._abort_for(context, "load_adapter", e, adapter=request.name)
+        return encode_adapter(info)
+
+    async def DropAdapter(self, request, context):
+        worker = await self._require_worker(context)
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._executor, worker.unload_adapter, request.adapter_id
+            )
+        except Exception as e:  # noqa: BLE001
+            await self._abort_for(context, "drop_adapter", e, adapter=request.adapter_id)
+        return worker_pb2.DropAdapterResponse()
+
+    async def ListAdapters(self, request, context):
+        worker = await self._require_worker(context)
+        infos = await asyncio.get_running_loop().run_in_executor(self._executor, worker.adapters)
+        return engine_pb2.ListAdaptersResponse(adapters=[encode_adapter(i) for i in infos])
 
     async def _abort_for(self, context, what: str, exc: Exception, **fields) -> None:
         code_name = getattr(exc, "grpc_code", "INTERNAL")

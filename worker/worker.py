@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from base.logs import get_logger
-from base.plan import KVLayout, MemoryBreakdown, Plan, SeqOutput, StepResult, WorkerInfo
+from base.plan import AdapterInfo, KVLayout, MemoryBreakdown, Plan, SeqOutput, StepResult, WorkerInfo
 from base.tokenizer import make_tokenizer
 from kernels.driver import KernelLoadError
 from kernels.nvrtc import KernelCompileError
@@ -38,6 +38,7 @@ from worker.grammar_matchers import GrammarMatchers
 from worker.graph_check import GraphDecision, prepare_graphs
 from worker.kv_cache import KVCacheSpec, create_kv_cache
 from worker.kv_quant import resolve_kv_quant
+from worker.lora.runtime import LoraRuntime
 from worker.memory_profile import breakdown, module_bytes, with_kv_bytes
 from worker.model import CausalLM
 from worker.model_config import load_model_config
@@ -146,6 +147,9 @@ class Worker:
         self.mirrors = SequenceMirrors(self.model_config.vocab_size, self.persistent_table)
         lse_topk = None if self.fast_forward is None else self.fast_forward.lse_topk
         self.sampler = Sampler(config.seed, self.model_config.eos_token_ids, lse_topk)
+        self.lora = LoraRuntime(self, config.max_loras, config.max_lora_rank)
+        for name, path in config.loras:
+            self.lora.load(name, path)
         self.instance_id = uuid.uuid4().hex
         self._info = describe_worker(self)
         self.grammars = GrammarMatchers(
@@ -170,6 +174,7 @@ class Worker:
         verify, which has 1 + k rows); for tests and backend comparisons."""
         validate_plan(plan, self.mirrors, self.limits, self.kv_cache.num_free_rows)
         check_plan_images(plan, self.model_config.multimodal)
+        self.lora.prepare(plan)
         self.grammars.prepare(plan)
         work = apply_plan(plan, self.mirrors, self.kv_cache, self.grammars)
         if self.vision is not None:
@@ -184,7 +189,8 @@ class Worker:
         with torch.inference_mode():
             if self.draft is not None:  # the draft's KV of every input, and its proposals
                 self.draft.propose(work)
-            if self.decode_graphs is not None and self.decode_graphs.accepts(work.scheduled):
+            graphed = self.decode_graphs is not None and not self.lora.uses_adapters(work.mirrors)
+            if graphed and self.decode_graphs.accepts(work.scheduled):
                 logits = self.model.compute_logits(self.decode_graphs.forward(work.scheduled))
             else:
                 logits, prompt_out = self._forward(work)
@@ -226,18 +232,8 @@ class Worker:
         sample_rows = inputs.logits_indices.tolist()
         extra = [r for p in work.prompt for r in range(p.first_row, p.first_row + len(p.targets))]
         rows = sorted(set(sample_rows) | set(extra)) if extra else sample_rows
-        if self.fast_forward is not None:
-            hidden = self.fast_forward(inputs, self.kv_cache, rows)
-            compute_logits = self.fast_forward.compute_logits
-        else:
-            if self.vision is not None:  # M-RoPE positions and image rows
-                positions, images = self.vision.step_inputs(work.mirrors, work.scheduled)
-                full = self.model(inputs.input_ids, positions, self.kv_cache, inputs.attention, images)
-                self.vision.release(work.mirrors)
-            else:
-                full = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
-            hidden = full[torch.tensor(rows, dtype=torch.int64, device=full.device)]
-            compute_logits = self.model.compute_logits
+        with self.lora.step(work.mirrors, [len(s.token_ids) for s in work.scheduled]) as lora:
+            hidden, compute_logits = self._hidden(work, inputs, rows, lora)
         if not extra:
             return compute_logits(hidden), []
         where = {row: i for i, row in enumerate(rows)}
@@ -248,6 +244,35 @@ class Worker:
             ]
 
         return compute_logits(pick(sample_rows)), compute_prompt_logprobs(pick, compute_logits, work.prompt)
+
+    def _hidden(self, work, inputs, rows: list[int], lora) -> tuple[Tensor, object]:
+        """The final-norm hidden states of `rows`, and the logits function that takes them."""
+        if self.fast_forward is not None:
+            hidden = self.fast_forward(inputs, self.kv_cache, rows, lora)
+            compute_logits = self.fast_forward.compute_logits
+        else:
+            if self.vision is not None:  # M-RoPE positions and image rows
+                positions, images = self.vision.step_inputs(work.mirrors, work.scheduled)
+                full = self.model(inputs.input_ids, positions, self.kv_cache, inputs.attention, images)
+                self.vision.release(work.mirrors)
+            else:
+                full = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
+            hidden = full[torch.tensor(rows, dtype=torch.int64, device=full.device)]
+            compute_logits = self.model.compute_logits
+        return hidden, compute_logits
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Register (and, room permitting, make resident) the PEFT adapter at `path` as `name`.
+        AdapterError (nothing registered) when it cannot serve this model."""
+        return self.lora.load(name, path)
+
+    def adapters(self) -> list[AdapterInfo]:
+        """Every registered adapter, in registration order."""
+        return self.lora.registry.infos()
+
+    def unload_adapter(self, adapter_id: str) -> None:
+        """Forget an adapter no live sequence uses (AdapterNotFoundError when unknown)."""
+        self.lora.unload(adapter_id)
 
     def reset(self) -> None:
         """Forget every sequence (the control plane will resend full tables)."""

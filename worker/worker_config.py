@@ -43,6 +43,10 @@ draft_model      None, or the draft model of `--speculative draft` (a directory 
                  as `model`): same vocabulary as the target, run on the CPU worker with its own
                  paged pool of the target's num_blocks (worker/draft_model.py); the KV budget is
                  split between the two pools by their bytes per block.
+max_loras        LoRA adapters resident in memory at once (and at most in one step); more may be
+                 registered: an evicted one is read back from its files when a step needs it.
+max_lora_rank    the largest adapter rank accepted (a larger one is refused at load).
+loras            (name, path) PEFT adapters registered at start (`--lora NAME=PATH`).
 cuda_graph_max_batch_size
                  largest decode batch run through a graph (buckets 1, 2, 4, ... up to it);
                  bigger decode batches and every step with a prefill run eagerly. Match the
@@ -90,6 +94,9 @@ class WorkerConfig:
     lm_head_int8: bool = False
     kv_cache_dtype: str = "auto"
     draft_model: str | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    loras: tuple[tuple[str, str], ...] = ()
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -42,6 +42,8 @@ def describe(worker) -> WorkerInfo:
         **graph_facts(worker.graph_decision),
         sliding_window=worker.window_of_every_layer(),
         draft_model=_draft_facts(worker),
+        max_loras=worker.lora.registry.max_loras,
+        max_lora_rank=worker.lora.registry.max_rank,
         tokenizer_json=tokenizer_json,
         **_image_facts(worker),
     )

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from base.logs import get_logger
-from pagedkv.openai_api import extras
+from pagedkv.openai_api import extras, lora_routes
 from pagedkv.openai_api.errors import ApiError, bad_request
 from pagedkv.openai_api.front import Front
 from pagedkv.openai_api.front_metrics import RequestMetrics, RequestMetricsMiddleware
@@ -146,6 +146,7 @@ def create_app(front: Front) -> FastAPI:
     app.state.request_metrics = RequestMetrics()
     app.include_router(router, dependencies=[Depends(_check_api_key)])
     app.include_router(extras.router, dependencies=[Depends(_check_api_key)])
+    app.include_router(lora_routes.router, dependencies=[Depends(_check_api_key)])
     app.include_router(health_router)
     app.include_router(extras.open_router)
     served = (router, extras.router, health_router, extras.open_router)

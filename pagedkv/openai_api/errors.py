@@ -53,6 +53,8 @@ def from_client_error(e: ClientError) -> ApiError:
         if any(s in details for s in _NEVER_FITS):
             return ApiError(400, details, code="request_too_large")
         return ApiError(429, details, type="rate_limit_error", code="queue_full")
+    if code == grpc.StatusCode.NOT_FOUND:  # a LoRA adapter not loaded (or unloaded meanwhile)
+        return ApiError(404, details, code="not_found")
     if code == grpc.StatusCode.UNAVAILABLE:
         return ApiError(503, f"the engine is unavailable: {details}", type="server_error", code="unavailable")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -92,7 +92,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     """{count, max_model_len, tokens, token_strs}: token_strs (with return_token_strs) shows
     each token on its own, bytes that are not UTF-8 on their own escaped (token_display)."""
     front = _front(request)
-    info, _ = await front.resolve_model(body.model)
+    info, _, _ = await front.resolve_model(body.model)
     text = body.text(front.chat_template, info)
     reply = await _engine(
         front.client.tokenize(text, add_special_tokens=body.add_special_tokens, timeout=ENGINE_TIMEOUT_S)
@@ -146,13 +146,21 @@ def model_card(front: Front, info: engine_pb2.ModelInfo, model_id: str | None = 
     }
 
 
+def adapter_card(front: Front, info: engine_pb2.ModelInfo, adapter: engine_pb2.AdapterInfo) -> dict:
+    """A LoRA adapter's entry (vLLM's): `parent` is the base model, `root` its directory."""
+    card = model_card(front, info, adapter.name)
+    return {**card, "root": adapter.path, "parent": info.facts.model_name}
+
+
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict:
     """The served model's card under the id asked for (its name or an alias), else a 404."""
     front = _front(request)
     if not model_id:  # resolve_model reads "" as "the served model"; a URL must name one
         raise ApiError(404, "no model id in the URL: GET /v1/models/{model}", code="model_not_found")
-    info, name = await front.resolve_model(model_id)
+    info, name, adapter = await front.resolve_model(model_id)
+    if adapter:
+        return adapter_card(front, info, next(a for a in await front.adapters() if a.name == adapter))
     return model_card(front, info, name)
 
 

@@ -71,17 +71,28 @@ class Front:
             self._texts_instance = info.facts.instance_id
         return self._texts
 
-    async def resolve_model(self, requested: str | None) -> tuple[engine_pb2.ModelInfo, str]:
-        """(ModelInfo, the model name to report). A missing or empty `model` means the one
-        served model; any other name than its own (or an alias) is a 404."""
+    async def resolve_model(self, requested: str | None) -> tuple[engine_pb2.ModelInfo, str, str]:
+        """(ModelInfo, the model name to report, the LoRA adapter to run: "" = the base). A
+        missing or empty `model` means the served model; its name or an alias too; a loaded
+        adapter's name (vLLM's convention) runs that adapter; anything else is a 404."""
         info = await self.model_info()
         if not requested:
-            return info, info.facts.model_name
+            return info, info.facts.model_name, ""
         if requested == info.facts.model_name or requested in self.model_aliases:
-            return info, requested
+            return info, requested, ""
+        if any(a.name == requested for a in await self.adapters()):
+            return info, requested, requested
         raise ApiError(
             404,
-            f"the model {requested!r} does not exist; this server serves {info.facts.model_name!r}",
+            f"the model {requested!r} does not exist; this server serves {info.facts.model_name!r} "
+            "and the LoRA adapters GET /v1/models lists",
             param="model",
             code="model_not_found",
         )
+
+    async def adapters(self) -> list[engine_pb2.AdapterInfo]:
+        """The loaded LoRA adapters, asked each time (loads and unloads show at once)."""
+        try:
+            return await self.client.list_adapters(timeout=10.0)
+        except ClientError as e:
+            raise from_client_error(e) from None

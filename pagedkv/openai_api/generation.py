@@ -28,6 +28,7 @@ def build_requests(
     priority: int,
     cache_salt: str,
     images: list[bytes] = (),
+    adapter: str = "",
 ) -> list[engine_pb2.GenerateRequest]:
     """One GenerateRequest per prompt; ids `request_id` (one prompt) or `request_id-i`, so
     `pagedkv block-table ID` finds an HTTP request's blocks. `images`: a chat's (one prompt)."""
@@ -44,6 +45,7 @@ def build_requests(
                 priority=priority,
                 cache_salt=cache_salt,
                 images=[engine_pb2.ImageInput(data=data) for data in images],
+                adapter=adapter,
             )
         )
     return out

@@ -22,7 +22,7 @@ from base.v1 import engine_pb2
 from pagedkv.client import ClientError
 from pagedkv.openai_api.chat_template import template_for
 from pagedkv.openai_api.errors import ApiError, bad_request, from_client_error
-from pagedkv.openai_api.extras import model_card
+from pagedkv.openai_api.extras import adapter_card, model_card
 from pagedkv.openai_api.front import Front
 from pagedkv.openai_api.generation import EngineStreams, UsageTotals, build_requests, collect
 from pagedkv.openai_api.protocol import ChatCompletionRequest, CompletionRequest
@@ -63,7 +63,8 @@ def _front(request: Request) -> Front:
 async def list_models(request: Request) -> dict:
     front = _front(request)
     info = await front.model_info()
-    return {"object": "list", "data": [model_card(front, info)]}
+    adapters = [adapter_card(front, info, a) for a in await front.adapters()]
+    return {"object": "list", "data": [model_card(front, info), *adapters]}
 
 
 @health_router.get("/health")
@@ -80,7 +81,7 @@ async def health(request: Request) -> Response:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     body.check_refused()
     front = _front(request)
-    info, model = await front.resolve_model(body.model)
+    info, model, adapter = await front.resolve_model(body.model)
     prompts = body.prompts()
     sampling = body.engine_sampling()
     texts = front.token_texts(info)
@@ -94,7 +95,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     )
     rid = f"cmpl-{uuid.uuid4().hex}"
     job = Job(
-        build_requests(rid, prompts, sampling, body.priority, body.cache_salt or ""),
+        build_requests(rid, prompts, sampling, body.priority, body.cache_salt or "", adapter=adapter),
         Envelope(rid, "text_completion", model),
         len(prompts) * body.n,
         view,
@@ -124,7 +125,7 @@ async def _echo_texts(front: Front, prompts: list) -> list[str]:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     body.check_refused()
     front = _front(request)
-    info, model = await front.resolve_model(body.model)
+    info, model, adapter = await front.resolve_model(body.model)
     template = template_for(front.chat_template, info.facts.tokenizer_kind)
     calls = ToolCalling.of(body, template.text)
     images: list[bytes] | None = [] if info.facts.image_patch_size else None
@@ -154,6 +155,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             body.priority,
             body.cache_salt or "",
             images,
+            adapter,
         ),
         Envelope(rid, "chat.completion", model),
         body.n,

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from base.plan import SamplingParams
 from control_plane.engine import EngineCore
+from control_plane.invariants import check_all_free
 from control_plane.request import Request, Sequence
 from control_plane.scheduler_config import SchedulerConfig
 from control_plane.sim_worker import SimWorker
@@ -33,6 +34,26 @@ def make_engine(
     """`window` > 0: a sliding-window model (SimWorker's), whose blocks before the window are freed."""
     worker = SimWorker(num_blocks, block_size, vocab, max_model_len, eos, window=window)
     return EngineCore(worker, SchedulerConfig(**cfg), check_invariants=True), worker
+
+
+def drain_and_check_nothing_leaked(engine: EngineCore, worker: SimWorker, step) -> None:
+    """`step()` until the engine has no work; then every block is free and the worker mirrors
+    no sequence."""
+    for _ in range(5000):
+        if not engine.has_work():
+            break
+        step()
+    check_all_free(engine.scheduler)
+    assert not worker.tables
+
+
+def assert_sample_tokens(got: dict, aborted: set[str], rid: str, index: int, reference: list[int]) -> None:
+    """Sample `index` of request `rid` produced `reference` (a prefix of it when aborted)."""
+    tokens = got.get((rid, index), [])
+    if rid in aborted:
+        assert tokens == reference[: len(tokens)], (rid, index)
+    else:
+        assert tokens == reference, (rid, index)
 
 
 def interleaving_ops(request_st):

@@ -49,6 +49,9 @@ class PausableSimWorker:
     def hold_lease(self, on_lost) -> None:
         pass
 
+    async def list_adapters(self) -> list:
+        return []
+
     async def send(self, plan: Plan, expected_instance_id: str = "") -> None:
         if self.pause_when is not None and self.pause_when():
             self.pause_next, self.pause_when = True, None

@@ -5,11 +5,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from base.plan import SamplingParams
-from control_plane.invariants import check_all_free, check_plan, check_pool, check_scheduler
+from control_plane.invariants import check_plan, check_pool, check_scheduler
 from control_plane.kv_cache_manager import KVCacheManager
 from control_plane.sim_worker import reference_tokens
 from control_plane.speculation import SpeculativeConfig
-from tests.control_plane.helpers import interleaving_ops, make_engine, make_seq
+from tests.control_plane.helpers import (
+    assert_sample_tokens,
+    drain_and_check_nothing_leaked,
+    interleaving_ops,
+    make_engine,
+    make_seq,
+)
 
 VOCAB = 64  # small vocab: shared prefixes and repeated blocks happen often
 
@@ -106,20 +112,11 @@ def run_interleaving(block_size, extra_blocks, budget, ops, window=0, in_flight=
             s.on_worker_lost()
             worker.reset()
             check_scheduler(s)
-    for _ in range(5000):
-        if not engine.has_work():
-            break
-        step()
-    check_all_free(s)
-    assert not worker.tables
+    drain_and_check_nothing_leaked(engine, worker, step)
     for rid, (prompt, sp) in live.items():
         for idx in range(sp.n):
             ref = reference_tokens(prompt, idx, sp.max_tokens, VOCAB, window=window)
-            toks = got.get((rid, idx), [])
-            if rid in aborted:
-                assert toks == ref[: len(toks)]
-            else:
-                assert toks == ref, (rid, idx)
+            assert_sample_tokens(got, aborted, rid, idx, ref)
 
 
 kv_op_st = st.lists(

@@ -221,11 +221,12 @@ def test_generate_flags_fill_every_request_field():
 
     argv = "generate hi --max-tokens 5 --temperature 0.5 --top-p 0.9 --top-k 7 --seed 3 --n 2 --stop x "
     argv += "--stop-token-ids 9,10 --stop-token-ids 11 --ignore-eos --logprobs --request-id r1 "
-    argv += "--priority -4 --cache-salt tenant-a"
+    argv += "--priority -4 --cache-salt tenant-a --adapter sql"
     args = build_parser().parse_args(argv.split())
     req = build_request(args.prompt, **request_kwargs(args))
     s = req.sampling
     assert (req.text, req.request_id, req.priority, req.cache_salt) == ("hi", "r1", -4, "tenant-a")
+    assert req.adapter == "sql"
     assert (s.max_tokens, s.top_k, s.seed, s.n, list(s.stop)) == (5, 7, 3, 2, ["x"])
     assert (list(s.stop_token_ids), s.ignore_eos, s.logprobs) == ([9, 10, 11], True, True)
     assert (round(s.temperature, 6), round(s.top_p, 6)) == (0.5, 0.9)
@@ -329,3 +330,17 @@ def test_serve_sizes_the_workers_cuda_graphs_from_max_num_seqs(tmp_path):
     assert (worker_args.cuda_graph_max_batch_size, worker_args.cuda_graph) == (8, "off")
     # The memory profile runs the control plane's largest prefill and batch.
     assert (worker_args.max_num_batched_tokens, worker_args.gpu_memory_utilization) == (512, 0.5)
+
+
+def test_serve_hands_the_lora_flags_to_its_worker(tmp_path):
+    from pagedkv.processes import worker_config_from_args
+    from pagedkv.serve import child_commands
+
+    argv = "serve --lora sql=/a/sql --lora chat=/a/chat --max-loras 8 --max-lora-rank 32"
+    worker, control, _ = child_commands(build_parser().parse_args(argv.split()), tmp_path)
+    assert "--lora" not in control
+    config = worker_config_from_args(build_parser().parse_args(worker[worker.index("worker") :]))
+    assert config.loras == (("sql", "/a/sql"), ("chat", "/a/chat"))
+    assert (config.max_loras, config.max_lora_rank) == (8, 32)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker", "--lora", "no-equals-sign"])

@@ -9,7 +9,7 @@ every dtype.
 
 from __future__ import annotations
 
-from kernels.specs import AttentionGeometry, ProgramSpec, programs_for
+from kernels.specs import AttentionGeometry, ProgramSpec, lora_program, programs_for
 
 ARCHS = ("sm_87", "sm_90")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -60,6 +60,8 @@ def all_programs() -> list[ProgramSpec]:
     for geometry in (*MODEL_GEOMETRIES, *sweep_geometries(), *QUANT_GEOMETRIES):
         for spec in programs_for(geometry):
             seen.setdefault(spec, None)
+    for dtype in DTYPES:  # multi-LoRA (issue 41): compile-checked; the worker does not launch it yet
+        seen.setdefault(lora_program(dtype), None)
     return list(seen)
 
 

@@ -11,14 +11,15 @@ import pytest
 
 from kernels.cpu_build import HERE
 from worker import cpu_decoder
+from worker.lora import cpu_apply
 
 C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}
 
 
-def c_struct_fields(name: str) -> list[tuple[str, str]]:
-    """(field, C type) of `typedef struct { ... } name;` in cpu_decoder.c, in order; a pointer's
+def c_struct_fields(name: str, file: str = "cpu_decoder.c") -> list[tuple[str, str]]:
+    """(field, C type) of `typedef struct { ... } name;` in `file`, in order; a pointer's
     type ends in "*"."""
-    source = re.sub(r"/\*.*?\*/", "", (HERE / "cpu_decoder.c").read_text(), flags=re.S)
+    source = re.sub(r"/\*.*?\*/", "", (HERE / file).read_text(), flags=re.S)
     body = re.search(r"typedef struct \{([^}]*)\} " + name + ";", source).group(1)
     fields = []
     for decl in filter(None, (d.strip() for d in body.split(";"))):
@@ -28,10 +29,16 @@ def c_struct_fields(name: str) -> list[tuple[str, str]]:
     return fields
 
 
-@pytest.mark.parametrize("name", ["PkLinear", "PkLayer", "PkModel", "PkStep"])
-def test_ctypes_mirrors_match_the_c_structs(name):
-    c_fields = c_struct_fields(name)
-    mirror = getattr(cpu_decoder, name)._fields_
+@pytest.mark.parametrize(
+    "name, file, module",
+    [
+        *[(name, "cpu_decoder.c", cpu_decoder) for name in ("PkLinear", "PkLayer", "PkModel", "PkStep")],
+        *[(name, "cpu_lora.h", cpu_apply) for name in ("PkLoraWeight", "PkLora")],
+    ],
+)
+def test_ctypes_mirrors_match_the_c_structs(name, file, module):
+    c_fields = c_struct_fields(name, file)
+    mirror = getattr(module, name)._fields_
     assert [f for f, _ in c_fields] == [f for f, _ in mirror]
     for (field, c_type), (_, py_type) in zip(c_fields, mirror, strict=True):
         if c_type.endswith("*"):
@@ -39,4 +46,4 @@ def test_ctypes_mirrors_match_the_c_structs(name):
         elif c_type in C_TYPES:
             assert py_type is C_TYPES[c_type], field
         else:  # a nested struct
-            assert py_type is getattr(cpu_decoder, c_type.strip("*")), field
+            assert py_type is getattr(module, c_type.strip("*")), field

@@ -168,6 +168,7 @@ class DrivenSequence:
     logprobs: list[float] = field(default_factory=list)
     images: list = field(default_factory=list)  # PlanImage, sent with every NewSequence
     prompt_len: int = 0  # NewSequence.prompt_len (0: not sent, as before images existed)
+    adapter: str = ""  # NewSequence.adapter: a LoRA adapter id the worker has loaded
 
 
 class PlanDriver:
@@ -242,6 +243,7 @@ class PlanDriver:
             num_samples=seq.num_samples,
             prompt_len=seq.prompt_len,
             images=list(seq.images),
+            adapter=seq.adapter,
         )
 
     def _grow_table(self, seq: DrivenSequence, num_positions: int) -> list[int]:
