@@ -68,6 +68,8 @@ def check_worker_args(args) -> None:
         raise ValueError(f"--tp-rank must be in [0, --tp-size {args.tp_size}), got {args.tp_rank}")
     if args.tp_size > 1 and not args.tp_init:
         raise ValueError("--tp-size > 1 needs --tp-init tcp://HOST:PORT (rank 0's rendezvous address)")
+    if args.tp_size > 1 and getattr(args, "lora", None):
+        raise ValueError("--lora is not served by a tensor-parallel group yet: use --tp-size 1 for adapters")
 
 
 def apply_threads(args) -> None:

@@ -49,8 +49,11 @@ class ShardedCpuForward(FastCpuForward):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.group.all_gather_last(self.lm_head(hidden))[:, : self.full_vocab].contiguous()
 
-    def __call__(self, inputs: ModelInputs, kv_cache, rows: list[int] | None = None) -> Tensor:
-        """The final-norm hidden states of `rows` (ascending; default: the sampling rows)."""
+    def __call__(self, inputs: ModelInputs, kv_cache, rows: list[int] | None = None, lora=None) -> Tensor:
+        """The final-norm hidden states of `rows` (ascending; default: the sampling rows). `lora`
+        is always None: a group serves no adapters (worker/tp/rank.py refuses them)."""
+        if lora is not None:
+            raise AssertionError("a tensor-parallel rank was handed LoRA deltas; the group refuses adapters")
         ops, threads, hidden = self.ops, torch.get_num_threads(), self.hidden
         keep = inputs.logits_indices if rows is None else torch.tensor(rows, dtype=torch.int64)
         freqs = inputs.positions[:, None].to(torch.float32) * self.inv_freq[None, :]

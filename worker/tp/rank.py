@@ -25,7 +25,7 @@ from base.logs import get_logger
 from base.plan import Plan, StepResult, WorkerInfo
 from base.plan_codec import decode_plan, encode_plan
 from base.v1 import worker_pb2
-from worker.errors import WorkerConfigError
+from worker.errors import AdapterError, AdapterNotFoundError, WorkerConfigError
 from worker.tp.group import EXECUTE, RESET, STOP, GroupBroken, TPGroup
 
 log = get_logger("pagedkv.worker")
@@ -49,6 +49,20 @@ class GroupLeader:
             return self.worker.execute(plan)
         except GroupBroken as exc:
             _exit_group(exc)
+
+    # LoRA adapters are not sharded across ranks yet: a group serves the base model only, and
+    # says so rather than running a rank's slice with another rank's adapter missing.
+    def adapters(self) -> list:
+        return []
+
+    def load_adapter(self, name: str, path: str):
+        raise AdapterError(
+            f"adapter {name!r}: LoRA adapters are not served by a tensor-parallel group yet "
+            "(--tensor-parallel-size > 1); serve adapters with one worker"
+        )
+
+    def unload_adapter(self, adapter_id: str) -> None:
+        raise AdapterNotFoundError(f"adapter {adapter_id!r} is not loaded (a tensor-parallel group has none)")
 
     def reset(self) -> None:
         try:
