@@ -48,12 +48,20 @@ SOURCES = (
     "cpu_gemm.c",
     "cpu_ops.c",
     "cpu_quant.c",
+    "cpu_gguf.c",
     "cpu_sampling.c",
     "cpu_decoder.c",
     "cpu_attention.c",
     "cpu_lora.c",
 )
-HEADERS = ("cpu_simd.h", "cpu_kv_quant.h", "cpu_attention.h", "cpu_attention_decode.h", "cpu_lora.h")
+HEADERS = (
+    "cpu_simd.h",
+    "cpu_kv_quant.h",
+    "cpu_attention.h",
+    "cpu_attention_decode.h",
+    "cpu_lora.h",
+    "cpu_gguf.h",
+)
 BASE_OPTIONS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
 # A compiler without an OpenMP runtime (clang without libomp) still builds the kernels, run on one
 # thread: slower than torch's threads would be, faster than the reference forward.
@@ -122,6 +130,9 @@ SIGNATURES = {
     "pq_linear": (_INT, (_INT, _P, _I64, _P, _I64, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT)),
     "pq_quantize_rows": (None, (_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT)),
     "pq_gather_rows": (None, (_INT, _P, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _INT)),
+    "gg_linear": (_INT, (_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _INT)),
+    "gg_dequantize_rows": (_INT, (_INT, _P, _P, _P, _I64, _I64, _INT)),
+    "gg_row_bytes": (_I64, (_INT, _I64)),
     "pk_decoder": (_INT, (_P, _P, _P, _P, _P, _INT)),
     "row_lse_topk": (_INT, (_P, _I64, _I64, _I64, _INT, _P, _P, _P, _INT)),
     "pk_decoder_scratch_bytes": (_I64, (_P, _I64)),

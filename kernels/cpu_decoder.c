@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "cpu_attention.h"
+#include "cpu_gguf.h"
 #include "cpu_lora.h"
 #include "cpu_simd.h"
 
@@ -34,14 +35,15 @@ void qkv_rope_store(const float *qkv, const float *cos, const float *sin, const 
 void silu_mul(float *out, const float *gate_up, int64_t rows, int64_t inner, int threads);
 
 typedef struct {
-    int32_t kind;        /* DT_F32 / DT_BF16 / DT_F16 panels (cpu_gemm.c), or 4 / 8: integer codes (cpu_quant.c) */
+    int32_t kind; /* DT_F32 / DT_BF16 / DT_F16 panels (cpu_gemm.c), 4 / 8: integer codes (cpu_quant.c),
+                     PK_KIND_GGUF: w = GgPart[group], ggml blocks (cpu_gguf.c) */
     int32_t scale_dtype; /* quantized: the scales' DT_* */
     const void *w;       /* panels, or quantized codes */
     const void *scales;  /* quantized only */
     const uint8_t *zeros;
     const float *bias;   /* fp32 [n] or NULL */
     int64_t n, k, kp;    /* out features, in features, padded K of the panels */
-    int64_t group, block; /* quantized: input features per scale, per activation scale */
+    int64_t group, block; /* quantized: input features per scale, per activation scale; GGUF: parts, 0 */
 } PkLinear;
 
 typedef struct {
@@ -76,6 +78,7 @@ typedef struct {
 } PkStep;
 
 static int linear(const PkLinear *l, float *y, const float *x, int64_t rows, int threads) {
+    if (l->kind == PK_KIND_GGUF) return gg_linear(y, l->n, x, l->k, l->w, l->group, l->bias, rows, l->k, threads);
     if (l->kind == 4 || l->kind == 8)
         return pq_linear(l->kind, y, l->n, x, l->k, l->w, l->scales, l->scale_dtype, l->zeros, l->bias, rows, l->n,
                          l->k, l->group, l->block, threads);

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from kernels.cpu_build import CpuOps
+from worker.cpu_gguf_linear import PK_KIND_GGUF, GgufLinear
 from worker.cpu_quant_weights import QuantLinear
 from worker.cpu_weights import dtype_code
 
@@ -56,8 +57,10 @@ def _ptr(t: Tensor | None) -> int | None:
 
 
 def _linear(lin) -> PkLinear:
-    """A PanelLinear or QuantLinear as the C struct."""
+    """A PanelLinear, QuantLinear or GgufLinear as the C struct."""
     n, k, bias = lin.out_features, lin.in_features, _ptr(lin.bias)
+    if isinstance(lin, GgufLinear):
+        return PkLinear(PK_KIND_GGUF, 0, lin.parts_ptr, None, None, bias, n, k, k, len(lin.types), 0)
     if isinstance(lin, QuantLinear):
         tensors = (lin.codes.data_ptr(), lin.scales.data_ptr(), lin.zeros.data_ptr())
         return PkLinear(lin.bits, lin.scale_code, *tensors, bias, n, k, k, lin.group, lin.block)

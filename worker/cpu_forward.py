@@ -29,9 +29,11 @@ from torch import Tensor
 from kernels.cpu_build import MAX_HEAD_DIM, MAX_HEADS_X_DIM, CpuKernelBuildError, CpuOps, load_cpu_ops
 from worker.batch import ModelInputs
 from worker.cpu_decoder import DecoderStack
+from worker.cpu_gguf_linear import gguf_linear
 from worker.cpu_quant_weights import QuantLinear, quantize_int8
 from worker.cpu_weights import PANEL_DTYPES, PanelLinear, dtype_code, fused, release
 from worker.model import CausalLM
+from worker.quant.gguf_weight import GgufBlockWeight
 from worker.quant.weight import concat_rows
 
 
@@ -39,10 +41,18 @@ def _fp32(t: Tensor) -> Tensor:
     return t.detach().float().contiguous()
 
 
+def _packed(ops: CpuOps, weights: list, bias: Tensor | None, dtype: torch.dtype):
+    """The kernel of quantized weights stacked along N: a GGUF file's blocks as they are
+    (cpu_gguf.c), else integer codes (cpu_quant.c)."""
+    if isinstance(weights[0], GgufBlockWeight):
+        return gguf_linear(ops, weights, bias, dtype)
+    return QuantLinear(ops, concat_rows(weights), bias)
+
+
 def _linear(ops: CpuOps, quantized: dict, name: str, module, dtype: torch.dtype):
     """A layer's kernel: integer codes as they are if the checkpoint quantized it, else panels."""
     if name in quantized:
-        return QuantLinear(ops, quantized[name], module.bias)
+        return _packed(ops, [quantized[name]], module.bias, dtype)
     return PanelLinear(ops, module.weight, module.bias, dtype)
 
 
@@ -51,7 +61,7 @@ def _fused_linear(ops: CpuOps, quantized: dict, named: list[tuple[str, torch.nn.
     if all(name in quantized for name, _ in named):
         biases = [m.bias for _, m in named]
         bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
-        return QuantLinear(ops, concat_rows([quantized[name] for name, _ in named]), bias)
+        return _packed(ops, [quantized[name] for name, _ in named], bias, dtype)
     return fused(ops, [m for _, m in named], dtype)
 
 
@@ -121,6 +131,8 @@ def _quantized_unavailable(model: CausalLM) -> str | None:
     projections (q|k|v, gate|up) of which only some, or differently, are quantized."""
     quantized = model.quantized
     for name, weight in quantized.items():
+        if isinstance(weight, GgufBlockWeight):  # any type: blocks as they are, or panels (gguf_linear)
+            continue
         if weight.shape[1] % 2 or weight.group_size % 2:
             return f"{name}: quantized layers need an even input width and group size, got {weight.shape}"
     for index in range(len(model.model.layers)):
@@ -128,9 +140,10 @@ def _quantized_unavailable(model: CausalLM) -> str | None:
             part = "self_attn" if fused_names[0] == "q_proj" else "mlp"
             names = [f"model.layers.{index}.{part}.{n}" for n in fused_names]
             present = [quantized[n] for n in names if n in quantized]
+            gguf = all(isinstance(w, GgufBlockWeight) for w in present)
             if present and (
                 len(present) != len(names)
-                or len({(w.bits, w.group_size, w.scales.dtype) for w in present}) > 1
+                or (not gguf and len({(w.bits, w.group_size, w.scales.dtype) for w in present}) > 1)
             ):
                 return f"layer {index}: {', '.join(fused_names)} are not quantized alike (they are one GEMM)"
     return None
@@ -152,7 +165,13 @@ class FastCpuForward:
             self.layers.append(_Layer(self.ops, layer, index, quantized, dtype))
         self.final_norm = _fp32(model.model.norm.weight)
         embed = model.model.embed_tokens
-        if model.lm_head is None:  # tied: the lm_head's one copy also serves the embedding lookup
+        # A GGUF file's token embedding as its blocks (model.quantized["model.embed_tokens"]).
+        embed_blocks = quantized.get("model.embed_tokens")
+        self.embed_blocks = None
+        if model.lm_head is None and embed_blocks is not None:  # tied: the head's blocks serve the lookup
+            self.lm_head = gguf_linear(self.ops, [embed_blocks], None, dtype)
+            self.embed_table = None
+        elif model.lm_head is None:  # tied: the lm_head's one copy also serves the embedding lookup
             head = embed.weight
             self.lm_head = (
                 QuantLinear(self.ops, quantize_int8(head), None)
@@ -160,6 +179,10 @@ class FastCpuForward:
                 else PanelLinear(self.ops, head, None, dtype)
             )
             self.embed_table = None
+        elif embed_blocks is not None:
+            self.lm_head = _linear(self.ops, quantized, "lm_head", model.lm_head, dtype)
+            self.embed_blocks, self.embed_table = gguf_linear(self.ops, [embed_blocks], None, dtype), None
+            release(model.lm_head)
         else:
             if lm_head_int8 and "lm_head" not in quantized:
                 self.lm_head = QuantLinear(self.ops, quantize_int8(model.lm_head.weight), None)
@@ -181,10 +204,13 @@ class FastCpuForward:
     def resident_weight_bytes(self) -> int:
         """Bytes of weights this forward holds (panels, norms, an untied embedding table)."""
         table = 0 if self.embed_table is None else self.embed_table.numel() * self.embed_table.element_size()
+        table += 0 if self.embed_blocks is None else self.embed_blocks.resident_bytes
         layers = sum(layer.resident_bytes for layer in self.layers)
         return layers + self.lm_head.resident_bytes + table + 4 * self.final_norm.numel()
 
     def _embed(self, ids: Tensor) -> Tensor:
+        if self.embed_blocks is not None:
+            return self.embed_blocks.gather_rows(ids)
         if self.embed_table is None:
             return self.lm_head.gather_rows(ids)
         out = torch.empty(ids.shape[0], self.hidden)

@@ -1,0 +1,23 @@
+/* GGUF block linears (cpu_gguf.c): the part descriptor the decoder stack and ctypes
+ * (worker/cpu_gguf_linear.py GgPart) share, and the entry points. */
+#ifndef PAGEDKV_CPU_GGUF_H
+#define PAGEDKV_CPU_GGUF_H
+
+#include <stdint.h>
+
+/* One weight matrix of a (possibly fused) linear: output rows [.., + n), one ggml type. */
+typedef struct {
+    int32_t type, pad;   /* ggml type (GGMLQuantizationType value) */
+    const uint8_t *data; /* uint8 [n, row bytes]: the file's blocks */
+    int64_t n;
+} GgPart;
+
+#define PK_KIND_GGUF 64 /* PkLinear.kind of a GGUF linear: w = GgPart[group] */
+
+int64_t gg_row_bytes(int type, int64_t k);
+int gg_linear(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, int64_t nparts,
+              const float *bias, int64_t m, int64_t k, int threads);
+int gg_dequantize_rows(int type, float *out, const uint8_t *data, const int64_t *ids, int64_t count, int64_t k,
+                       int threads);
+
+#endif
