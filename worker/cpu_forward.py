@@ -28,11 +28,16 @@ from torch import Tensor
 
 from kernels.cpu_build import MAX_HEAD_DIM, MAX_HEADS_X_DIM, CpuKernelBuildError, CpuOps, load_cpu_ops
 from worker.batch import ModelInputs
+from base.logs import get_logger
 from worker.cpu_decoder import DecoderStack
+from worker.cpu_gguf import gguf_linear
 from worker.cpu_quant_weights import QuantLinear, quantize_int8
 from worker.cpu_weights import PANEL_DTYPES, PanelLinear, dtype_code, fused, release
 from worker.model import CausalLM
+from worker.quant.gguf_weight import GgufBlockWeight
 from worker.quant.weight import concat_rows
+
+log = get_logger("pagedkv.worker")
 
 
 def _fp32(t: Tensor) -> Tensor:
@@ -41,6 +46,8 @@ def _fp32(t: Tensor) -> Tensor:
 
 def _linear(ops: CpuOps, quantized: dict, name: str, module, dtype: torch.dtype):
     """A layer's kernel: integer codes as they are if the checkpoint quantized it, else panels."""
+    if isinstance(quantized.get(name), GgufBlockWeight):
+        return gguf_linear(ops, [quantized[name]], module.bias, dtype)
     if name in quantized:
         return QuantLinear(ops, quantized[name], module.bias)
     return PanelLinear(ops, module.weight, module.bias, dtype)
@@ -48,9 +55,11 @@ def _linear(ops: CpuOps, quantized: dict, name: str, module, dtype: torch.dtype)
 
 def _fused_linear(ops: CpuOps, quantized: dict, named: list[tuple[str, torch.nn.Linear]], dtype: torch.dtype):
     """One kernel for projections of the same input (q|k|v, gate|up), quantized or not."""
+    biases = [m.bias for _, m in named]
+    bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
+    if any(isinstance(quantized.get(name), GgufBlockWeight) for name, _ in named):  # types may differ
+        return gguf_linear(ops, [quantized.get(name, m.weight) for name, m in named], bias, dtype)
     if all(name in quantized for name, _ in named):
-        biases = [m.bias for _, m in named]
-        bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
         return QuantLinear(ops, concat_rows([quantized[name] for name, _ in named]), bias)
     return fused(ops, [m for _, m in named], dtype)
 
@@ -119,7 +128,7 @@ def fast_forward_unavailable(model: CausalLM, device: torch.device, dtype: torch
 def _quantized_unavailable(model: CausalLM) -> str | None:
     """Quantized layers the kernels cannot take: odd input widths or groups, or fused
     projections (q|k|v, gate|up) of which only some, or differently, are quantized."""
-    quantized = model.quantized
+    quantized = {n: w for n, w in model.quantized.items() if not isinstance(w, GgufBlockWeight)}
     for name, weight in quantized.items():
         if weight.shape[1] % 2 or weight.group_size % 2:
             return f"{name}: quantized layers need an even input width and group size, got {weight.shape}"
@@ -148,6 +157,10 @@ class FastCpuForward:
         self.dtype = dtype = model.model.embed_tokens.weight.dtype
         self.layers = []
         quantized = model.quantized
+        gguf_types = sorted({w.type_name for w in quantized.values() if isinstance(w, GgufBlockWeight)})
+        if gguf_types:  # worker/cpu_gguf.py: what the fast forward does with GGUF blocks today
+            log.info("gguf.dequantized_at_load", forward="cpu-fast", types=", ".join(gguf_types),
+                     dtype=str(dtype).removeprefix("torch."))  # fmt: skip
         for index, layer in enumerate(model.model.layers):  # pack and release layer by layer: peak = 1 layer
             self.layers.append(_Layer(self.ops, layer, index, quantized, dtype))
         self.final_norm = _fp32(model.model.norm.weight)

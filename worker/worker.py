@@ -43,6 +43,7 @@ from worker.model import CausalLM
 from worker.model_config import load_model_config
 from worker.plan_validation import PlanLimits, validate_plan
 from worker.profile_workload import profiled_kv_bytes
+from worker.quant.gguf_weight import GgufBlockWeight
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
 from worker.sampler import Sampler
 from worker.sequence_mirror import SequenceMirrors
@@ -289,7 +290,9 @@ class Worker:
         )
         try:
             self.backend.prepare(geometry)
-            if self.model.quantized:  # served from packed codes (worker/cuda_quant.py)
+            if any(isinstance(w, GgufBlockWeight) for w in self.model.quantized.values()):
+                self.model.materialize_quantized(self.dtype, self.device)  # no CUDA block kernels yet
+            elif self.model.quantized:  # served from packed codes (worker/cuda_quant.py)
                 replace_quantized_linears(self.model, self.dtype, self.backend)
         except (ValueError, KernelLoadError, KernelCompileError) as exc:
             raise WorkerConfigError(

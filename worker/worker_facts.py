@@ -7,6 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from base.plan import WorkerInfo
+from worker.gguf.reader import open_gguf
+from worker.gguf.tokenizer import tokenizer_json
+from worker.gguf.weights import gguf_formats
 from worker.graph_check import graph_facts
 from worker.kv_quant import describe_scales
 
@@ -72,9 +75,11 @@ def _image_facts(worker) -> dict[str, int]:
 def _quantization(worker) -> str:
     """ModelFacts.quantization: the checkpoint's scheme and how the forward holds it."""
     scheme = worker.model_config.quantization
+    dense = str(worker.dtype).removeprefix("torch.")
+    if worker.model_config.weight_format:
+        return gguf_formats(worker.model_config.weight_format, worker.model.gguf_dequantized_types, dense)
     if scheme is None:
         return ""
-    dense = str(worker.dtype).removeprefix("torch.")
     packed = worker.fast_forward is not None or worker.device.type == "cuda"
     held = "packed codes" if packed else f"dequantized to {dense}"
     return f"{scheme.describe()}; {held}"
@@ -83,6 +88,8 @@ def _quantization(worker) -> str:
 def _tokenizer(model_dir: Path, hint: str | None) -> tuple[str, str]:
     if hint == "byte":
         return "byte", ""
+    if model_dir.suffix.lower() == ".gguf":  # built from its tokenizer.ggml.* metadata
+        return "hf", tokenizer_json(open_gguf(model_dir))
     tokenizer_path = model_dir / "tokenizer.json"
     if tokenizer_path.is_file():
         return "hf", tokenizer_path.read_text(encoding="utf-8")
