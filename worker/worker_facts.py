@@ -88,8 +88,9 @@ def _quantization(worker) -> str:
 def _tokenizer(model_dir: Path, hint: str | None) -> tuple[str, str]:
     if hint == "byte":
         return "byte", ""
-    if model_dir.suffix.lower() == ".gguf":  # built from its tokenizer.ggml.* metadata
-        return "hf", tokenizer_json(open_gguf(model_dir))
+    if model_dir.suffix.lower() == ".gguf":  # built from its tokenizer.ggml.* metadata, if any
+        gguf = open_gguf(model_dir)
+        return ("hf", tokenizer_json(gguf)) if gguf.has("tokenizer.ggml.model") else ("none", "")
     tokenizer_path = model_dir / "tokenizer.json"
     if tokenizer_path.is_file():
         return "hf", tokenizer_path.read_text(encoding="utf-8")

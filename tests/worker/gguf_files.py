@@ -96,17 +96,18 @@ def write_gguf(
         kind = linear_type if data.ndim == 2 and "token_embd" not in name else T.F32
         if kind == T.F32:
             writer.add_tensor(name, np.ascontiguousarray(data))
-        elif kind == T.F16:
-            half = data.astype(np.float16)
-            writer.add_tensor(name, half)
-            state[hf_name].copy_(torch.from_numpy(half.astype(np.float32)).reshape(tensor.shape))
+            continue
+        if kind == T.F16:
+            stored = data.astype(np.float16)
+            writer.add_tensor(name, stored)
+            back = stored.astype(np.float32)
         else:
-            blocks = gguf.quants.quantize(data, kind)
-            writer.add_tensor(name, blocks, raw_dtype=kind)
-            back = gguf.quants.dequantize(blocks, kind).reshape(data.shape)
-            if arch in ("llama", "mistral") and ("q_proj" in hf_name or "k_proj" in hf_name):
-                back = _inverse_permute(back, heads, kv_heads if "k_proj" in hf_name else None)
-            state[hf_name].copy_(torch.from_numpy(np.ascontiguousarray(back)))
+            stored = gguf.quants.quantize(data, kind)
+            writer.add_tensor(name, stored, raw_dtype=kind)
+            back = gguf.quants.dequantize(stored, kind).reshape(data.shape)
+        if arch in ("llama", "mistral") and ("q_proj" in hf_name or "k_proj" in hf_name):
+            back = _inverse_permute(back, heads, kv_heads if "k_proj" in hf_name else None)
+        state[hf_name].copy_(torch.from_numpy(np.ascontiguousarray(back)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -41,6 +41,13 @@ class _TensorNamingReader(GGUFReader):
     range past the end of the file is reported with the tensor's name (the stock reader fails
     inside a numpy reshape with neither)."""
 
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None):
+        # Parse through a plain ndarray view of the map: numpy's memmap.__getitem__ costs ~10 us
+        # a call, and the reader makes a few per vocabulary string (740k for SmolLM2).
+        if type(self.data) is not np.ndarray:
+            self.data = self.data.view(np.ndarray)
+        return super()._get(offset, dtype, count, override_order)
+
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         built: list[ReaderTensor] = []
         seen: set[str] = set()
