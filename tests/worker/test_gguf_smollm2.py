@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from tests.worker.worker_test_utils import PlanDriver, hf_greedy, make_worker
-from worker.default_model import SMOLLM2_INSTALL, smollm2_path
+from worker.served_model import SMOLLM2_INSTALL, smollm2_path
 
 PROMPTS = [
     "What is the capital of France?",
