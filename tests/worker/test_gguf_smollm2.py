@@ -3,8 +3,9 @@ BPE tokenizer, ChatML template), against transformers loading the same file
 (`from_pretrained(dir, gguf_file=...)`, which dequantizes with the `gguf` package): the oracle for
 the tensor mapping, llama's Q/K permutation, the config and the tokenizer.
 
-Greedy tokens on the dequantized fp32 computation equal transformers' on 5 chat prompts x 32
-tokens (the reference forward, and the fast forward, which holds the same dequantized values)."""
+Greedy tokens on the dequantized fp32 computation (the reference forward) equal transformers' on
+5 chat prompts x 32 tokens. (The fast forward's agreement on these weights belongs with its GGUF
+block kernels; the tiny-model GGUF tests check its mapping exactly.)"""
 
 from __future__ import annotations
 
@@ -71,15 +72,18 @@ def hf_continuations(oracle, chat_prompts):
     return [hf_greedy(model, ids, NEW_TOKENS) for ids in chat_prompts]
 
 
-@pytest.mark.parametrize("cpu_kernels", ["reference", "fast"])
-def test_greedy_chat_tokens_equal_transformers(gguf_file, chat_prompts, hf_continuations, cpu_kernels):
-    worker = make_worker(gguf_file, 16, cpu_kernels=cpu_kernels, dtype="float32", num_blocks=256)
+@pytest.fixture(scope="module")
+def worker(gguf_file):
+    return make_worker(gguf_file, 16, cpu_kernels="reference", dtype="float32", num_blocks=64)
+
+
+def test_greedy_chat_tokens_equal_transformers(worker, chat_prompts, hf_continuations):
     driver = PlanDriver(worker)
     seqs = [driver.add(i + 1, ids) for i, ids in enumerate(chat_prompts)]
     driver.step(dict.fromkeys(s.seq_id for s in seqs))
     driver.decode([s.seq_id for s in seqs], NEW_TOKENS - 1)
     agree = [sum(a == b for a, b in zip(s.generated, hf, strict=True)) for s, hf in zip(seqs, hf_continuations)]
-    print(f"greedy agreement ({cpu_kernels}): {agree} of {NEW_TOKENS} per prompt")
+    print(f"greedy agreement: {agree} of {NEW_TOKENS} per prompt")
     assert [s.generated for s in seqs] == hf_continuations
 
 
@@ -103,8 +107,7 @@ def test_tokenizer_from_metadata_equals_transformers(gguf_file, oracle):
     assert ours.encode("Hi", add_special_tokens=True).ids == reference.encode("Hi")  # add_bos_token False
 
 
-def test_model_info_names_the_file_formats(gguf_file):
-    worker = make_worker(gguf_file, 16, num_blocks=16)
+def test_model_info_names_the_file_formats(worker):
     info = worker.describe()
     assert info.model_name == "SmolLM2-135M-Instruct.Q4_1" and info.architecture == "LlamaForCausalLM"
     assert info.quantization.startswith("GGUF Q4_1 x210, F32 x61, Q8_0 x1;"), info.quantization
