@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from base.logs import get_logger
 from kernels.cpu_build import MAX_HEAD_DIM, MAX_HEADS_X_DIM, CpuKernelBuildError, CpuOps, load_cpu_ops
 from worker.batch import ModelInputs
-from base.logs import get_logger
 from worker.cpu_decoder import DecoderStack
 from worker.cpu_gguf import gguf_linear
 from worker.cpu_quant_weights import QuantLinear, quantize_int8

@@ -167,7 +167,9 @@ class CausalLM(nn.Module):
         model.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
         return model.eval()
 
-    def _load_gguf(self, path: Path, shapes: dict, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    def _load_gguf(
+        self, path: Path, shapes: dict, dtype: torch.dtype, device: torch.device | str
+    ) -> CausalLM:
         """A .gguf file's tensors (worker/gguf/weights.py): quantized linears as their packed
         GGUF blocks in `quantized`, everything else dense."""
         from worker.gguf.reader import open_gguf

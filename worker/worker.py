@@ -43,8 +43,8 @@ from worker.model import CausalLM
 from worker.model_config import load_model_config
 from worker.plan_validation import PlanLimits, validate_plan
 from worker.profile_workload import profiled_kv_bytes
-from worker.quant.gguf_weight import GgufBlockWeight
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
+from worker.quant.gguf_weight import GgufBlockWeight
 from worker.sampler import Sampler
 from worker.sequence_mirror import SequenceMirrors
 from worker.speculative_verify import sequence_outputs

@@ -59,8 +59,8 @@ import torch
 
 from base.plan import KVLayout
 from worker.default_model import default_model_dir, ensure_random_model
-from worker.gguf import find_gguf
 from worker.errors import ModelLoadError, WorkerConfigError
+from worker.gguf import find_gguf
 from worker.kv_quant import KV_CACHE_DTYPES
 from worker.model_config import SUPPORTED_DTYPES
 

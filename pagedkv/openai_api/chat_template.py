@@ -223,10 +223,17 @@ def _gguf_template(path: Path) -> tuple[str | None, dict]:
 
     try:
         fields = GGUFReader(str(path)).fields
-        template = fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
+        template = (
+            fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
+        )
         tokens = fields.get("tokenizer.ggml.tokens")
         special = {}
-        for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        for name, key in (
+            ("bos_token", "bos"),
+            ("eos_token", "eos"),
+            ("unk_token", "unknown"),
+            ("pad_token", "padding"),
+        ):
             field = fields.get(f"tokenizer.ggml.{key}_token_id")
             if field is not None and tokens is not None and 0 <= int(field.contents()) < len(tokens.data):
                 special[name] = tokens.contents(int(field.contents()))

@@ -109,7 +109,9 @@ def test_a_directory_with_two_gguf_files_asks_which(good, tmp_path):
     _, path = good
     for name in ("a.gguf", "b.gguf"):
         shutil.copy(path, tmp_path / name)
-    with pytest.raises(ModelLoadError, match=r"holds 2 \.gguf files \(a\.gguf, b\.gguf\): pass --model FILE\.gguf"):
+    with pytest.raises(
+        ModelLoadError, match=r"holds 2 \.gguf files \(a\.gguf, b\.gguf\): pass --model FILE\.gguf"
+    ):
         Worker(WorkerConfig(model=str(tmp_path), num_blocks=16))
 
 

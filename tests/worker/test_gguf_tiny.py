@@ -42,7 +42,9 @@ def test_logits_and_greedy_tokens_equal_transformers(gguf_model, family, kind, c
     oracle, path = gguf_model(family, kind)
     worker = make_worker(path, 4, cpu_kernels=cpu_kernels, dtype="float32", num_blocks=64)
     if kind in (T.Q8_0, T.Q4_0):
-        assert worker.describe().quantization.startswith(f"GGUF {kind.name} x"), worker.describe().quantization
+        assert worker.describe().quantization.startswith(f"GGUF {kind.name} x"), (
+            worker.describe().quantization
+        )
     driver = PlanDriver(worker)
     seq = driver.add(1, list(PROMPT))
     driver.step({1: None})

@@ -94,7 +94,9 @@ def test_llama_cpp_vocabularies_equal_transformers(name):
     if not path.is_file():
         pytest.skip(f"{path} is absent (the peer bench's llama.cpp checkout provides it)")
     if name != "llama-spm" and not os.environ.get(BIG_VOCABS):
-        pytest.skip(f"{name}: 150k-token vocabulary, ~3 min in transformers' GGUF tokenizer; set {BIG_VOCABS}=1")
+        pytest.skip(
+            f"{name}: 150k-token vocabulary, ~3 min in transformers' GGUF tokenizer; set {BIG_VOCABS}=1"
+        )
     _compare(path)
 
 

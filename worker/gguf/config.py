@@ -145,8 +145,9 @@ def _rope(gguf: GgufFile, arch: str) -> dict[str, Any]:
 def _compute_dtype(gguf: GgufFile) -> str:
     """float16 / bfloat16 when every dense linear weight in the file is stored so (an F16 file
     stays F16), else float32: the dtype that dequantized and F32 tensors load into."""
-    types = {t.tensor_type for name, t in gguf.tensors.items() if name.startswith("blk.") and len(t.shape) == 2}
+    types = {
+        t.tensor_type for name, t in gguf.tensors.items() if name.startswith("blk.") and len(t.shape) == 2
+    }
     if len(types) == 1 and next(iter(types)) in _DENSE_DTYPES:
         return _DENSE_DTYPES[next(iter(types))]
     return "float32"
-

@@ -127,7 +127,9 @@ def _sentencepiece_bpe(gguf: GgufFile, tokens: list[str]):
 
     scores = gguf.value("tokenizer.ggml.scores", list)
     if len(scores) != len(tokens):
-        raise gguf.error(f"metadata field 'tokenizer.ggml.scores' has {len(scores)} entries for {len(tokens)} tokens")
+        raise gguf.error(
+            f"metadata field 'tokenizer.ggml.scores' has {len(scores)} entries for {len(tokens)} tokens"
+        )
     vocab = {token: i for i, token in enumerate(tokens)}
     unk = gguf.value("tokenizer.ggml.unknown_token_id", int, None)
     model = models.BPE(
@@ -166,8 +168,16 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
 def _add_special(tokenizer, tokens: list[str], types: list[int]) -> None:
     from tokenizers import AddedToken
 
-    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    control = [
+        AddedToken(t, special=True, normalized=False)
+        for t, k in zip(tokens, types, strict=True)
+        if k == CONTROL
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, k in zip(tokens, types, strict=True)
+        if k == USER_DEFINED
+    ]
     if control:
         tokenizer.add_special_tokens(control)
     if user:
@@ -182,7 +192,11 @@ def _add_bos(gguf: GgufFile, tokenizer, tokens: list[str], default: bool) -> Non
     steps = []
     if gguf.value("tokenizer.ggml.model", str) == "gpt2":
         steps.append(processors.ByteLevel(trim_offsets=False))
-    if gguf.value("tokenizer.ggml.add_bos_token", bool, default) and bos is not None and 0 <= bos < len(tokens):
+    if (
+        gguf.value("tokenizer.ggml.add_bos_token", bool, default)
+        and bos is not None
+        and 0 <= bos < len(tokens)
+    ):
         name = tokens[bos]
         steps.append(
             processors.TemplateProcessing(

@@ -72,7 +72,9 @@ def load_gguf_weights(
         dense = _dense(tensor, tuple(shapes[hf_name]))
         if rows:
             dense = unpermute_rows(dense, rows)
-        out.dense[hf_name] = torch.from_numpy(np.array(dense)).to(device=device, dtype=dtype)  # copied off the mmap
+        out.dense[hf_name] = torch.from_numpy(np.array(dense)).to(
+            device=device, dtype=dtype
+        )  # copied off the mmap
     if others:
         out.dequantized_types = sorted(others)
         log.warning(
