@@ -97,9 +97,9 @@ def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> No
         "--model",
         metavar="DIR|FILE.gguf",
         help="Hugging Face checkpoint dir (config.json + *.safetensors; tokenizer.json optional: "
-        "without it prompts and output are token ids), a GGUF file (llama, mistral, qwen2, qwen3; "
-        "tokenizer and chat template from its metadata) or a directory holding one, or random:PRESET, "
-        f"random weights ({', '.join(RANDOM_PRESETS)}) (default: {default})",
+        "without it prompts and output are token ids), or random:PRESET, random weights "
+        f"({', '.join(RANDOM_PRESETS)}), or a GGUF file (llama, mistral, qwen2, qwen3; tokenizer and "
+        f"chat template from its metadata) or a directory holding one (default: {default})",
     )
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     p.add_argument(

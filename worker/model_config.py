@@ -110,14 +110,9 @@ class ModelConfig:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Read `config.json` (required) and `generation_config.json` (optional) from a checkpoint,
-    or a .gguf file's metadata (worker/gguf)."""
+    """Read `config.json` (required) and `generation_config.json` (optional) from a checkpoint
+    (a .gguf file's config: worker.gguf.config.checkpoint_config)."""
     model_dir = Path(model_dir)
-    if model_dir.suffix.lower() == ".gguf":
-        from worker.gguf.config import gguf_model_config
-        from worker.gguf.reader import open_gguf
-
-        return gguf_model_config(open_gguf(model_dir))
     config = _read_json(model_dir / "config.json", required=True)
     generation_config = _read_json(model_dir / "generation_config.json", required=False)
     return parse_model_config(config, generation_config, model_dir)

@@ -61,10 +61,10 @@ def test_quantized_linears_stay_blocks_until_a_forward_takes_them(gguf_model):
     import gguf as gguf_pkg
 
     from worker import model as model_module
-    from worker.model_config import load_model_config
+    from worker.gguf.config import checkpoint_config
 
     _, path = gguf_model("llama-gqa-derived-head-dim", T.Q4_0)
-    config = load_model_config(path)
+    config = checkpoint_config(path)
     model = model_module.CausalLM.from_checkpoint(path, config, torch.float32, "cpu")
     q = model.quantized["model.layers.0.self_attn.q_proj"]
     assert isinstance(q, GgufBlockWeight) and q.type_name == "Q4_0" and q.shape == (64, 64)

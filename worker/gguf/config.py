@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from gguf.constants import GGMLQuantizationType
 
 from worker.errors import ModelLoadError
-from worker.gguf.reader import GgufFile
-from worker.model_config import MODEL_NAME_KEY, ModelConfig, parse_model_config
+from worker.gguf.reader import GgufFile, open_gguf
+from worker.model_config import MODEL_NAME_KEY, ModelConfig, load_model_config, parse_model_config
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -48,6 +49,14 @@ def architecture(gguf: GgufFile) -> str:
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
     return arch
+
+
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of what `--model` resolved to: a .gguf file's metadata, or a checkpoint
+    directory's config.json (worker.model_config)."""
+    if Path(path).suffix.lower() == ".gguf":
+        return gguf_model_config(open_gguf(path))
+    return load_model_config(path)
 
 
 def gguf_model_config(gguf: GgufFile) -> ModelConfig:
