@@ -138,7 +138,8 @@ class CausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary: RotaryEmbedding | None = None
-        self.gguf_dequantized_types: list[str] = []  # a GGUF file's quant types with no block kernels
+        self.gguf_block_types: list[str] = []  # a GGUF file's linear types held as blocks
+        self.gguf_dequantized_types: list[str] = []  # ... and those with no block kernels
         # Set by from_checkpoint for quantized checkpoints (GgufBlockWeights for GGUF files).
         self.quantized: dict[str, QuantizedWeight | GgufBlockWeight] = {}
 
@@ -178,7 +179,8 @@ class CausalLM(nn.Module):
         linears = {name for name, m in self.named_modules() if isinstance(m, nn.Linear)}
         loaded = load_gguf_weights(open_gguf(path), self.config, shapes, linears, dtype, device)
         self.quantized = loaded.blocks
-        self.gguf_dequantized_types = loaded.dequantized_types  # model-info names them
+        self.gguf_block_types = sorted({w.type_name for w in loaded.blocks.values()})  # for model-info
+        self.gguf_dequantized_types = loaded.dequantized_types
         self.load_state_dict(loaded.dense, strict=False, assign=True)
         self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim, device)
         return self.eval()

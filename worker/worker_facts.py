@@ -79,7 +79,10 @@ def _quantization(worker) -> str:
     scheme = worker.model_config.quantization
     dense = str(worker.dtype).removeprefix("torch.")
     if worker.model_config.weight_format:
-        return gguf_formats(worker.model_config.weight_format, worker.model.gguf_dequantized_types, dense)
+        model = worker.model
+        return gguf_formats(
+            worker.model_config.weight_format, model.gguf_block_types, model.gguf_dequantized_types, dense
+        )
     if scheme is None:
         return ""
     packed = worker.fast_forward is not None or worker.device.type == "cuda"

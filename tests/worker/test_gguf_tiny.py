@@ -17,7 +17,7 @@ from worker.gguf.names import unpermute_rows
 from worker.quant.gguf_weight import GgufBlockWeight
 
 FAMILIES = ["llama-gqa-derived-head-dim", "qwen2-mqa-bias", "qwen3-head-dim-tied"]
-TYPES = [T.F32, T.F16, T.Q8_0, T.Q4_0]
+TYPES = [T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q5_0]  # Q5_0: no block kernels, dequantized at load
 PROMPT = [5, 17, 99, 3, 64, 64, 120, 7, 1, 33, 42]
 
 
@@ -41,10 +41,10 @@ def gguf_model(checkpoint, tmp_path_factory):
 def test_logits_and_greedy_tokens_equal_transformers(gguf_model, family, kind, cpu_kernels):
     oracle, path = gguf_model(family, kind)
     worker = make_worker(path, 4, cpu_kernels=cpu_kernels, dtype="float32", num_blocks=64)
-    if kind in (T.Q8_0, T.Q4_0):
-        assert worker.describe().quantization.startswith(f"GGUF {kind.name} x"), (
-            worker.describe().quantization
-        )
+    formats = worker.describe().quantization
+    if kind not in (T.F32, T.F16):
+        assert formats.startswith(f"GGUF {kind.name} x"), formats
+    assert ("Q5_0: dense float32" in formats) == (kind == T.Q5_0), formats
     driver = PlanDriver(worker)
     seq = driver.add(1, list(PROMPT))
     driver.step({1: None})

@@ -64,7 +64,10 @@ def load_gguf_weights(
             data = np.asarray(tensor.data)
             data = unpermute_rows(data, rows) if rows else np.array(data)  # both copies: off the mmap
             weight = GgufBlockWeight(torch.from_numpy(data), int(kind), tuple(shapes[hf_name]))
-            weight.check(f"GGUF {gguf.path}: tensor {tensor.name}")
+            try:
+                weight.check(f"tensor {tensor.name}")
+            except ValueError as exc:
+                raise gguf.error(str(exc)) from None
             out.blocks[module] = weight
             continue
         if module in linears and kind not in DENSE_TYPES and kind not in NATIVE_TYPES:
@@ -87,14 +90,18 @@ def load_gguf_weights(
     return out
 
 
-def gguf_formats(weight_format: str, dequantized_types: list[str], dtype: str) -> str:
+def gguf_formats(weight_format: str, block_types: list[str], dequantized_types: list[str], dtype: str) -> str:
     """ModelFacts.quantization for a GGUF model: the file's tensor types and how they are held.
     Until the GGUF block kernels land every forward dequantizes the blocks at load (model.py's
     materialize_quantized, worker/cpu_gguf.py)."""
-    held = f"blocks dequantized to {dtype} at load (no GGUF block kernels yet)"
+    held = []
+    if block_types:
+        held.append(
+            f"{', '.join(block_types)} blocks dequantized to {dtype} at load (no GGUF block kernels yet)"
+        )
     if dequantized_types:
-        held += f"; {', '.join(dequantized_types)} have none planned"
-    return f"GGUF {weight_format}; {held}"
+        held.append(f"{', '.join(dequantized_types)}: dense {dtype} (not a block-kernel type)")
+    return f"GGUF {weight_format}; {'; '.join(held) or f'dense {dtype}'}"
 
 
 def _plan(gguf: GgufFile, shapes: Mapping[str, tuple[int, ...]]) -> dict:
