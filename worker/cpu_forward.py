@@ -166,12 +166,14 @@ class FastCpuForward:
         self.final_norm = _fp32(model.model.norm.weight)
         embed = model.model.embed_tokens
         if model.lm_head is None:  # tied: the lm_head's one copy also serves the embedding lookup
-            head = embed.weight
-            self.lm_head = (
-                QuantLinear(self.ops, quantize_int8(head), None)
-                if lm_head_int8
-                else PanelLinear(self.ops, head, None, dtype)
-            )
+            blocks = quantized.get("model.embed_tokens")  # a GGUF file's tied embedding, as blocks
+            if lm_head_int8:
+                head = embed.weight if blocks is None else blocks.dequantize(torch.float32)
+                self.lm_head = QuantLinear(self.ops, quantize_int8(head), None)
+            elif blocks is not None:  # gguf_linear's kernel also gathers the embedding's rows
+                self.lm_head = gguf_linear(self.ops, [blocks], None, dtype)
+            else:
+                self.lm_head = PanelLinear(self.ops, embed.weight, None, dtype)
             self.embed_table = None
         else:
             if lm_head_int8 and "lm_head" not in quantized:

@@ -17,6 +17,7 @@ from worker.quant.gguf_weight import GgufBlockWeight
 
 
 def gguf_linear(ops: CpuOps, parts: list[GgufBlockWeight | Tensor], bias: Tensor | None, dtype: torch.dtype):
-    """y = x W^T + b for W = the parts stacked along N (each [N_i, K]); PanelLinear's interface."""
+    """y = x W^T + b for W = the parts stacked along N (each [N_i, K]); PanelLinear's interface,
+    `gather_rows` included (a tied GGUF embedding is looked up through its lm_head's kernel)."""
     dense = [p.dequantize(torch.float32) if isinstance(p, GgufBlockWeight) else p.detach() for p in parts]
     return PanelLinear(ops, torch.cat(dense) if len(dense) > 1 else dense[0], bias, dtype)

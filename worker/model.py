@@ -179,6 +179,9 @@ class CausalLM(nn.Module):
         linears = {name for name, m in self.named_modules() if isinstance(m, nn.Linear)}
         loaded = load_gguf_weights(open_gguf(path), self.config, shapes, linears, dtype, device)
         self.quantized = loaded.blocks
+        embed = self.model.embed_tokens
+        if "model.embed_tokens" in loaded.blocks:  # its dtype tells the forwards the compute dtype
+            embed.weight = nn.Parameter(torch.empty_like(embed.weight, dtype=dtype), requires_grad=False)
         self.gguf_block_types = sorted({w.type_name for w in loaded.blocks.values()})  # for model-info
         self.gguf_dequantized_types = loaded.dequantized_types
         self.load_state_dict(loaded.dense, strict=False, assign=True)

@@ -93,7 +93,8 @@ def write_gguf(
         if reshape and name in reshape:
             writer.add_tensor(name, np.zeros(reshape[name], dtype=np.float32))
             continue
-        kind = linear_type if data.ndim == 2 and "token_embd" not in name else T.F32
+        tied_head = name == "token_embd.weight" and config.tie_word_embeddings  # llama.cpp quantizes it
+        kind = linear_type if data.ndim == 2 and ("token_embd" not in name or tied_head) else T.F32
         if kind == T.F32:
             writer.add_tensor(name, np.ascontiguousarray(data))
             continue

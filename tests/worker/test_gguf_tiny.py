@@ -72,6 +72,13 @@ def test_quantized_linears_stay_blocks_until_a_forward_takes_them(gguf_model):
     assert np.array_equal(q.data.numpy(), unpermute_rows(np.asarray(raw.data), config.num_heads))
     assert model.model.layers[0].self_attn.q_proj.weight.is_meta
     assert len(model.quantized) == 2 * 7 + 1  # every linear, lm_head included (untied llama)
+    _, tied_path = gguf_model("qwen3-head-dim-tied", T.Q4_0)
+    tied = model_module.CausalLM.from_checkpoint(
+        tied_path, checkpoint_config(tied_path), torch.bfloat16, "cpu"
+    )
+    embedding = tied.quantized["model.embed_tokens"]  # the tied lm_head stays blocks too
+    assert embedding.type_name == "Q4_0" and embedding.shape == (128, 64)
+    assert tied.model.embed_tokens.weight.is_meta and tied.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, None), (4, 2), (8, 1)])

@@ -1,10 +1,11 @@
 """A GGUF file's tensors as the decoder's parameters.
 
-    linear weights in NATIVE_TYPES (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
+    linear weights in NATIVE_TYPES (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), and a tied model's
+    embedding (its lm_head) in one
         -> GgufBlockWeight in `model.quantized`, the file's blocks byte for byte (rows permuted
            back for llama's q/k); the module's .weight stays on the meta device
     F32 / F16 / BF16 tensors                 -> dense, in the compute dtype
-    the embedding, norms, any tensor of another quant type
+    an untied embedding, norms, any tensor of another quant type
         -> dequantized with llama.cpp's numpy reference (gguf.quants) to the compute dtype;
            other quant types on a linear are named in one warning (and in model-info)
 
@@ -33,6 +34,9 @@ from worker.quant.gguf_weight import GgufBlockWeight
 log = get_logger("pagedkv.worker")
 NATIVE_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K)
 """Quant types a linear keeps as its packed blocks (the kernels of issue 39 run them)."""
+TIED_EMBEDDING = "model.embed_tokens"
+"""A tied model's embedding is its lm_head: in a native type it stays blocks too, under this
+name in `model.quantized` (the forwards gather its rows; the reference dequantizes it)."""
 
 
 @dataclass
@@ -54,13 +58,14 @@ def load_gguf_weights(
     names whose weight may stay as blocks."""
     plan = _plan(gguf, shapes)
     heads = _permutation(gguf, config)
+    tied = TIED_EMBEDDING if config.tie_word_embeddings else None  # the lm_head: kept as blocks
     out = GgufWeights({}, {})
     others: set[str] = set()
     for hf_name, tensor in plan.items():
         module, _, param = hf_name.rpartition(".")
         kind = tensor.tensor_type
         rows = heads(hf_name)
-        if param == "weight" and module in linears and kind in NATIVE_TYPES:
+        if param == "weight" and (module in linears or module == tied) and kind in NATIVE_TYPES:
             data = np.asarray(tensor.data)
             data = unpermute_rows(data, rows) if rows else np.array(data)  # both copies: off the mmap
             weight = GgufBlockWeight(torch.from_numpy(data), int(kind), tuple(shapes[hf_name]))
