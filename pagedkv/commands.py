@@ -131,6 +131,20 @@ def with_images(prompt: str | None, files: list[str] | None) -> tuple[str | None
     return prompt, images
 
 
+def as_chat(client: Client, prompt: str) -> str:
+    """`prompt` as one user message through the served model's chat template, ready for the
+    assistant's answer; unchanged when the model declares no template."""
+    facts = client.model_info(timeout=10.0).facts
+    if not facts.tokenizer_config_json:
+        return prompt
+    from pagedkv.openai_api.chat_template import ChatTemplate
+
+    config = json.loads(facts.tokenizer_config_json)
+    template = config.pop("chat_template")
+    chat = ChatTemplate(f"{facts.model_name}'s chat template", template, config)
+    return chat.render([{"role": "user", "content": prompt}], True, None)
+
+
 def cmd_generate(args) -> int:
     kw = request_kwargs(args)
     prompt = args.prompt if args.token_ids is None else None
@@ -145,6 +159,8 @@ def cmd_generate(args) -> int:
         render, header = (ids_piece if args.ids else text_piece), None
     with _client(args) as client:
         try:
+            if prompt is not None and not args.raw and not kw["images"]:
+                prompt = as_chat(client, prompt)
             if args.json:
                 for m in client.generate(prompt, **kw):
                     print(_to_json(m), flush=True)
@@ -370,6 +386,9 @@ def cmd_model_info(args) -> int:
         print(_to_json(info))
     else:
         fields = json_format.MessageToDict(info, preserving_proto_field_name=True)
-        for field, value in {**fields.pop("facts", {}), **fields}.items():  # the facts, then the limits
+        facts = fields.pop("facts", {})
+        if "tokenizer_config_json" in facts:  # a whole Jinja template: its keys, not its text
+            facts["tokenizer_config_json"] = f"{{{', '.join(json.loads(facts['tokenizer_config_json']))}}}"
+        for field, value in {**facts, **fields}.items():  # the facts, then the limits
             print(f"{field:<22}{value}")
     return 0

@@ -53,6 +53,7 @@ from pagedkv.supervisor import Backoff, Supervisor, describe_exit
 from pagedkv.tp_cli import follower_commands, serve_worker_flags
 
 START_TIMEOUT_S = 600.0  # first start may build the default model's weights
+EXAMPLE_PROMPT = "What is the capital of France?"  # the banner's ready-to-paste request
 
 
 def _flags(args, names: list[str]) -> list[str]:
@@ -212,8 +213,8 @@ def _banner(address: str, args, metrics_url: str | None, security) -> str:
     grpcurl = executable("grpcurl")
     server = f"--server {address}" + (f" {cli}" if cli else "")
     if info.facts.tokenizer_kind != "none":
-        body = json.dumps({"text": "Hello, pagedkv", "sampling": {"max_tokens": 16}})
-        gen = f"{pagedkv} generate {server} 'Hello, pagedkv' --max-tokens 16"
+        body = json.dumps({"text": EXAMPLE_PROMPT, "sampling": {"max_tokens": 16}})
+        gen = f"{pagedkv} generate {server} {shlex.quote(EXAMPLE_PROMPT)} --max-tokens 16"
     else:
         body = json.dumps({"token_ids": [1, 2, 3], "sampling": {"max_tokens": 16}})
         gen = f"{pagedkv} generate {server} --token-ids 1,2,3 --max-tokens 16"
@@ -245,6 +246,8 @@ def _forward_line(facts) -> str:
     )
     if facts.forward_fallback_reason:
         line += f" (fallback: {facts.forward_fallback_reason})"
+    if facts.quantization:  # the weight formats held (GGUF types, AWQ/GPTQ/...) and how
+        line += f"; weights {facts.quantization}"
     if facts.cuda_graphs:  # CUDA: graphs or eager decode, and why (the start's self-check)
         line += f"; decode CUDA graphs {facts.cuda_graphs} ({facts.cuda_graphs_reason})"
     if facts.draft_model:  # its pool has as many blocks again, outside the MiB above
@@ -265,6 +268,12 @@ def _metrics_lines(args, metrics_url: str | None) -> list[str]:
 def run_serve(args) -> int:
     worker_metrics_port(args.metrics_port)  # a bad port is a usage error before anything starts
     security = own_client_security(args)  # so are unreadable TLS / token files
+    if args.model is None:  # both children (and the HTTP front) get the same explicit model
+        from worker.served_model import served_default_model
+
+        args.model, warning = served_default_model()
+        if warning:
+            print(f"[serve] warning: {warning}", file=sys.stderr, flush=True)
     tmpdir = Path(tempfile.mkdtemp(prefix="pagedkv-"))
     worker_cmd, control_cmd, ready_file = child_commands(args, tmpdir)
     backoff = Backoff(initial_s=args.worker_restart_backoff, max_s=max(30.0, args.worker_restart_backoff))

@@ -26,15 +26,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from base.logs import get_logger
 from kernels.cpu_build import MAX_HEAD_DIM, MAX_HEADS_X_DIM, CpuKernelBuildError, CpuOps, load_cpu_ops
 from worker.batch import ModelInputs
 from worker.cpu_decoder import DecoderStack
-from worker.cpu_gguf_linear import gguf_linear
+from worker.cpu_gguf_linear import NATIVE_TYPE_NAMES, gguf_linear
 from worker.cpu_quant_weights import QuantLinear, quantize_int8
 from worker.cpu_weights import PANEL_DTYPES, PanelLinear, dtype_code, fused, release
 from worker.model import CausalLM
 from worker.quant.gguf_weight import GgufBlockWeight
 from worker.quant.weight import concat_rows
+
+log = get_logger("pagedkv.worker")
 
 
 def _fp32(t: Tensor) -> Tensor:
@@ -58,9 +61,11 @@ def _linear(ops: CpuOps, quantized: dict, name: str, module, dtype: torch.dtype)
 
 def _fused_linear(ops: CpuOps, quantized: dict, named: list[tuple[str, torch.nn.Linear]], dtype: torch.dtype):
     """One kernel for projections of the same input (q|k|v, gate|up), quantized or not."""
+    biases = [m.bias for _, m in named]
+    bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
+    if any(isinstance(quantized.get(name), GgufBlockWeight) for name, _ in named):  # types may differ
+        return gguf_linear(ops, [quantized.get(name, m.weight) for name, m in named], bias, dtype)
     if all(name in quantized for name, _ in named):
-        biases = [m.bias for _, m in named]
-        bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
         return _packed(ops, [quantized[name] for name, _ in named], bias, dtype)
     return fused(ops, [m for _, m in named], dtype)
 
@@ -129,7 +134,7 @@ def fast_forward_unavailable(model: CausalLM, device: torch.device, dtype: torch
 def _quantized_unavailable(model: CausalLM) -> str | None:
     """Quantized layers the kernels cannot take: odd input widths or groups, or fused
     projections (q|k|v, gate|up) of which only some, or differently, are quantized."""
-    quantized = model.quantized
+    quantized = {n: w for n, w in model.quantized.items() if not isinstance(w, GgufBlockWeight)}
     for name, weight in quantized.items():
         if isinstance(weight, GgufBlockWeight):  # any type: blocks as they are, or panels (gguf_linear)
             continue
@@ -161,6 +166,10 @@ class FastCpuForward:
         self.dtype = dtype = model.model.embed_tokens.weight.dtype
         self.layers = []
         quantized = model.quantized
+        gguf_types = sorted({w.type_name for w in quantized.values() if isinstance(w, GgufBlockWeight)})
+        if gguf_types:  # worker/cpu_gguf_linear.py: native block kernels, or panels for the rest
+            log.info("gguf.fast_forward", types=", ".join(gguf_types),
+                     native=", ".join(t for t in gguf_types if t in NATIVE_TYPE_NAMES) or "none")  # fmt: skip
         for index, layer in enumerate(model.model.layers):  # pack and release layer by layer: peak = 1 layer
             self.layers.append(_Layer(self.ops, layer, index, quantized, dtype))
         self.final_norm = _fp32(model.model.norm.weight)
@@ -168,16 +177,14 @@ class FastCpuForward:
         # A GGUF file's token embedding as its blocks (model.quantized["model.embed_tokens"]).
         embed_blocks = quantized.get("model.embed_tokens")
         self.embed_blocks = None
-        if model.lm_head is None and embed_blocks is not None:  # tied: the head's blocks serve the lookup
-            self.lm_head = gguf_linear(self.ops, [embed_blocks], None, dtype)
-            self.embed_table = None
-        elif model.lm_head is None:  # tied: the lm_head's one copy also serves the embedding lookup
-            head = embed.weight
-            self.lm_head = (
-                QuantLinear(self.ops, quantize_int8(head), None)
-                if lm_head_int8
-                else PanelLinear(self.ops, head, None, dtype)
-            )
+        if model.lm_head is None:  # tied: the lm_head's one copy also serves the embedding lookup
+            if lm_head_int8:
+                head = embed.weight if embed_blocks is None else embed_blocks.dequantize(torch.float32)
+                self.lm_head = QuantLinear(self.ops, quantize_int8(head), None)
+            elif embed_blocks is not None:  # gguf_linear's kernel also gathers the embedding's rows
+                self.lm_head = gguf_linear(self.ops, [embed_blocks], None, dtype)
+            else:
+                self.lm_head = PanelLinear(self.ops, embed.weight, None, dtype)
             self.embed_table = None
         elif embed_blocks is not None:
             self.lm_head = _linear(self.ops, quantized, "lm_head", model.lm_head, dtype)

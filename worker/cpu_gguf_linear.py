@@ -22,6 +22,7 @@ from worker.quant.gguf_weight import GgufBlockWeight
 NATIVE_TYPES = frozenset(
     {T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K}
 )  # cpu_gguf.c's decoders
+NATIVE_TYPE_NAMES = frozenset(t.name for t in NATIVE_TYPES)
 PK_KIND_GGUF = 64  # kernels/cpu_gguf.h
 
 
@@ -90,10 +91,12 @@ class GgufLinear:
         return sum(d.numel() for d in self.data) + (0 if self.bias is None else 4 * self.bias.numel())
 
 
-def gguf_linear(ops: CpuOps, parts: list[GgufBlockWeight], bias: Tensor | None, dtype: torch.dtype):
+def gguf_linear(ops: CpuOps, parts: list[GgufBlockWeight | Tensor], bias: Tensor | None, dtype: torch.dtype):
     """The kernel for GGUF weights (one layer, or the parts of a fused one): their blocks as they
-    are where every part's type is native, else dense panels of `dtype` (dequantized once here)."""
-    if all(p.ggml_type in NATIVE_TYPES for p in parts) and len({p.shape[1] for p in parts}) == 1:
+    are where every part is blocks of a native type, else dense panels of `dtype` (dequantized
+    once here). A part may be a dense tensor: a fused q|k|v of which the file kept some in F16/F32."""
+    blocks = all(isinstance(p, GgufBlockWeight) for p in parts)
+    if blocks and all(p.ggml_type in NATIVE_TYPES for p in parts) and len({p.shape[1] for p in parts}) == 1:
         return GgufLinear(ops, parts, bias)
-    dense = torch.cat([p.dequantize(torch.float32) for p in parts])
-    return PanelLinear(ops, dense, bias, dtype)
+    dense = [p.dequantize(torch.float32) if isinstance(p, GgufBlockWeight) else p.detach().float() for p in parts]
+    return PanelLinear(ops, torch.cat(dense), bias, dtype)

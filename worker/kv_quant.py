@@ -143,6 +143,8 @@ def load_checkpoint_scales(model_dir: str | Path, num_layers: int) -> tuple[list
 
     from worker.weights import locate_tensors
 
+    if Path(model_dir).suffix.lower() == ".gguf":  # llama.cpp's format stores no KV scales
+        return None
     located = locate_tensors(model_dir)
     found: dict[tuple[str, int], str] = {}
     for i in range(num_layers):

@@ -22,13 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from base.logs import get_logger
 from worker.batch import AttentionMetadata
 from worker.kv_cache import KVCache
 from worker.model_config import ModelConfig
+from worker.quant.gguf_weight import GgufBlockWeight
 from worker.quant.loader import load_quantized, quantized_linears
 from worker.quant.weight import QuantizedWeight
 from worker.rotary import RotaryEmbedding, apply_rotary
 from worker.weights import load_tensors
+
+log = get_logger("pagedkv.worker")
 
 
 class RMSNorm(nn.Module):
@@ -134,7 +138,10 @@ class CausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary: RotaryEmbedding | None = None
-        self.quantized: dict[str, QuantizedWeight] = {}  # set by from_checkpoint for quantized checkpoints
+        self.gguf_block_types: list[str] = []  # a GGUF file's linear types held as blocks
+        self.gguf_dequantized_types: list[str] = []  # ... and those with no block kernels
+        # Set by from_checkpoint for quantized checkpoints (GgufBlockWeights for GGUF files).
+        self.quantized: dict[str, QuantizedWeight | GgufBlockWeight] = {}
 
     @classmethod
     def from_checkpoint(
@@ -149,6 +156,8 @@ class CausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         shapes = model.expected_tensor_shapes()
+        if Path(model_dir).suffix.lower() == ".gguf":
+            return model._load_gguf(model_dir, shapes, dtype, device)
         if config.quantization is not None:
             linears = quantized_linears(model, config.quantization)
             model.quantized = load_quantized(model_dir, config.quantization, linears)
@@ -162,9 +171,33 @@ class CausalLM(nn.Module):
         # graph capture) would record autograd and keep its activations alive.
         return model.requires_grad_(False).eval()
 
+    def _load_gguf(
+        self, path: Path, shapes: dict, dtype: torch.dtype, device: torch.device | str
+    ) -> CausalLM:
+        """A .gguf file's tensors (worker/gguf/weights.py): quantized linears as their packed
+        GGUF blocks in `quantized`, everything else dense."""
+        from worker.gguf.reader import open_gguf
+        from worker.gguf.weights import load_gguf_weights
+
+        linears = {name for name, m in self.named_modules() if isinstance(m, nn.Linear)}
+        loaded = load_gguf_weights(open_gguf(path), self.config, shapes, linears, dtype, device)
+        self.quantized = loaded.blocks
+        embed = self.model.embed_tokens
+        if "model.embed_tokens" in loaded.blocks:  # its dtype tells the forwards the compute dtype
+            embed.weight = nn.Parameter(torch.empty_like(embed.weight, dtype=dtype), requires_grad=False)
+        self.gguf_block_types = sorted({w.type_name for w in loaded.blocks.values()})  # for model-info
+        self.gguf_dequantized_types = loaded.dequantized_types
+        self.load_state_dict(loaded.dense, strict=False, assign=True)
+        self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim, device)
+        return self.eval()
+
     def materialize_quantized(self, dtype: torch.dtype, device: torch.device | str) -> None:
         """Dequantize every quantized layer into a dense weight (the reference and CUDA forwards
         run plain linears): exact values, but the memory of an unquantized model."""
+        gguf_types = sorted({w.type_name for w in self.quantized.values() if isinstance(w, GgufBlockWeight)})
+        if gguf_types:
+            log.info("gguf.dequantized_at_load", forward="reference", types=", ".join(gguf_types),
+                     dtype=str(dtype).removeprefix("torch."))  # fmt: skip
         modules = dict(self.named_modules())
         for name, weight in self.quantized.items():
             modules[name].weight = nn.Parameter(weight.dequantize(dtype).to(device), requires_grad=False)

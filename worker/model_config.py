@@ -97,6 +97,7 @@ class ModelConfig:
     quantization: QuantScheme | None = None  # config.json's quantization_config, checked
     multimodal: MultimodalConfig | None = None  # vision-language models (worker/vision)
     layer_windows: tuple[int, ...] = ()  # per layer: its sliding window in tokens, 0 = full attention
+    weight_format: str = ""  # a GGUF file's tensor types ("Q4_1 x210, F32 x61, Q8_0 x1"); "" otherwise
 
     @property
     def sliding_window(self) -> int:
@@ -109,7 +110,8 @@ class ModelConfig:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Read `config.json` (required) and `generation_config.json` (optional) from a checkpoint."""
+    """Read `config.json` (required) and `generation_config.json` (optional) from a checkpoint
+    (a .gguf file's config: worker.gguf.config.checkpoint_config)."""
     model_dir = Path(model_dir)
     config = _read_json(model_dir / "config.json", required=True)
     generation_config = _read_json(model_dir / "generation_config.json", required=False)

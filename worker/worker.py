@@ -34,6 +34,7 @@ from worker.cuda_graph import DecodeGraphRunner
 from worker.cuda_quant import replace_quantized_linears
 from worker.draft_model import build_draft, load_draft
 from worker.errors import WorkerConfigError
+from worker.gguf.config import checkpoint_config
 from worker.grammar_matchers import GrammarMatchers
 from worker.graph_check import GraphDecision, prepare_graphs
 from worker.kv_cache import KVCacheSpec, create_kv_cache
@@ -41,10 +42,10 @@ from worker.kv_quant import resolve_kv_quant
 from worker.lora.runtime import LoraRuntime
 from worker.memory_profile import breakdown, module_bytes, with_kv_bytes
 from worker.model import CausalLM
-from worker.model_config import load_model_config
 from worker.plan_validation import PlanLimits, validate_plan
 from worker.profile_workload import profiled_kv_bytes
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
+from worker.quant.gguf_weight import GgufBlockWeight
 from worker.sampler import Sampler
 from worker.sequence_mirror import SequenceMirrors
 from worker.speculative_verify import sequence_outputs
@@ -76,7 +77,7 @@ class Worker:
         config.validate()
         self.device = resolve_device(config.device)
         self.model_dir = resolve_model_dir(config.model)
-        self.model_config = load_model_config(self.model_dir)
+        self.model_config = checkpoint_config(self.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config.dtype)
         self.max_model_len = resolve_max_model_len(
             config.max_model_len, self.model_config.max_position_embeddings
@@ -323,7 +324,9 @@ class Worker:
         )
         try:
             self.backend.prepare(geometry)
-            if self.model.quantized:  # served from packed codes (worker/cuda_quant.py)
+            if any(isinstance(w, GgufBlockWeight) for w in self.model.quantized.values()):
+                self.model.materialize_quantized(self.dtype, self.device)  # no CUDA block kernels yet
+            elif self.model.quantized:  # served from packed codes (worker/cuda_quant.py)
                 replace_quantized_linears(self.model, self.dtype, self.backend)
         except (ValueError, KernelLoadError, KernelCompileError) as exc:
             raise WorkerConfigError(

@@ -64,6 +64,7 @@ import torch
 from base.plan import KVLayout
 from worker.default_model import default_model_dir, ensure_random_model
 from worker.errors import ModelLoadError, WorkerConfigError
+from worker.gguf import find_gguf
 from worker.kv_quant import KV_CACHE_DTYPES
 from worker.model_config import SUPPORTED_DTYPES
 
@@ -155,6 +156,8 @@ class WorkerConfig:
 
 
 def resolve_model_dir(model: str | None) -> Path:
+    """The checkpoint `--model` names: a Hugging Face directory, a .gguf file (also when the
+    directory holds exactly one and no config.json), or a random preset's cached directory."""
     if model is None:
         return default_model_dir()
     if model.startswith(RANDOM_MODEL_PREFIX):
@@ -163,10 +166,17 @@ def resolve_model_dir(model: str | None) -> Path:
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
     path = Path(model).expanduser()
+    try:
+        gguf = find_gguf(path)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    if gguf is not None:
+        return gguf
     if not path.is_dir():
         raise ModelLoadError(
-            f"model {model!r} is not a directory. The worker never downloads: fetch a checkpoint first, "
-            "e.g. `huggingface-cli download Qwen/Qwen3-0.6B --local-dir ./Qwen3-0.6B`, and pass its path"
+            f"model {model!r} is neither a directory nor a .gguf file. The worker never downloads: fetch "
+            "a checkpoint first, e.g. `huggingface-cli download Qwen/Qwen3-0.6B --local-dir ./Qwen3-0.6B`, "
+            "and pass its path"
         )
     return path
 

@@ -3,7 +3,9 @@
 Where the template comes from (first found): `--chat-template FILE` (a Jinja file, as vLLM
 takes it); the model directory's `tokenizer_config.json` `chat_template` (a string, or a list
 of {name, template} of which "default" is used); its `chat_template.jinja`; its
-`chat_template.json`. The embedded default model (byte tokenizer, no tokenizer_config.json)
+`chat_template.json`; a GGUF model's `tokenizer.chat_template` metadata (`--model FILE.gguf`, or
+a directory holding one .gguf and no config.json), with its special-token strings from
+`tokenizer.ggml.*_token_id`. The embedded default model (byte tokenizer, no tokenizer_config.json)
 uses `DEFAULT_TEMPLATE` below. Any other model without a template cannot serve chat: a
 guessed template would silently feed the model a prompt format it was never trained on.
 
@@ -204,20 +206,66 @@ def _template_in_dir(model_dir: Path) -> tuple[str, str] | None:
     return None
 
 
+def _gguf_file(model: Path) -> Path | None:
+    """The .gguf file `--model` names (itself, or the one in a directory without config.json)."""
+    if model.is_file():
+        return model if model.suffix.lower() == ".gguf" else None
+    if (model / "config.json").is_file():
+        return None
+    found = sorted(model.glob("*.gguf"))
+    return found[0] if len(found) == 1 else None
+
+
+def _gguf_template(path: Path) -> tuple[str | None, dict]:
+    """(tokenizer.chat_template, special-token strings) from a GGUF file's metadata, read with
+    llama.cpp's reader (the worker builds the same file's tokenizer: worker/gguf/tokenizer.py)."""
+    from gguf import GGUFReader
+
+    try:
+        fields = GGUFReader(str(path)).fields
+        template = (
+            fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None
+        )
+        tokens = fields.get("tokenizer.ggml.tokens")
+        special = {}
+        for name, key in (
+            ("bos_token", "bos"),
+            ("eos_token", "eos"),
+            ("unk_token", "unknown"),
+            ("pad_token", "padding"),
+        ):
+            field = fields.get(f"tokenizer.ggml.{key}_token_id")
+            if field is not None and tokens is not None and 0 <= int(field.contents()) < len(tokens.data):
+                special[name] = tokens.contents(int(field.contents()))
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the chat template of GGUF {path}: {e}") from None
+    return template, special
+
+
 def load_chat_template(model_dir: str | None = None, template_file: str | None = None) -> ChatTemplate | None:
-    """The template from `--chat-template FILE` or the model directory; None when neither has
-    one (then only the byte-tokenizer default model can chat: see `template_for`)."""
+    """The template from `--chat-template FILE` or the model directory (or GGUF file); None when
+    neither has one (then only the byte-tokenizer default model can chat: see `template_for`)."""
     directory = Path(model_dir) if model_dir else None
+    gguf = _gguf_file(directory) if directory is not None and directory.exists() else None
+    if gguf is not None:
+        template, special = _gguf_template(gguf)
+        found = None if template is None else (f"{gguf} (tokenizer.chat_template)", template)
+        return _chosen(template_file, found, special)
     if directory is not None and not directory.is_dir():
-        raise ValueError(f"--model {model_dir!r} is not a directory")
+        raise ValueError(f"--model {model_dir!r} is not a directory or a .gguf file")
     special = _special_tokens(directory)
+    found = _template_in_dir(directory) if directory is not None else None
+    return _chosen(template_file, found, special)
+
+
+def _chosen(template_file: str | None, found: tuple[str, str] | None, special: dict) -> ChatTemplate | None:
+    """--chat-template FILE wins over the model's own template."""
     if template_file:
         path = Path(template_file)
         try:
             return ChatTemplate(str(path), path.read_text(encoding="utf-8"), special)
         except OSError as e:
             raise ValueError(f"cannot read --chat-template {template_file!r}: {e.strerror or e}") from None
-    found = _template_in_dir(directory) if directory is not None else None
     if found is None:
         return None
     return ChatTemplate(found[0], found[1], special)

@@ -109,7 +109,7 @@ def test_worker_and_control_processes_over_a_unix_socket(sockdir, tmp_path):
 def _serve(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     out = tmp_path / "serve.out"
     proc = subprocess.Popen(
-        [*CLI, "serve", "--port", "0", "--num-blocks", "128", *extra],
+        [*CLI, "serve", "--port", "0", "--num-blocks", "128", "--model", "random:default", *extra],
         stdout=out.open("w"),
         stderr=(tmp_path / "serve.err").open("w"),
     )

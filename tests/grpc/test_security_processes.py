@@ -79,7 +79,8 @@ def test_serve_with_tls_and_a_token_prints_working_commands(pki, tmp_path):
     out, err = tmp_path / "serve.out", tmp_path / "serve.err"
     tls = ["--tls-cert", pki["server_cert"], "--tls-key", pki["server_key"], "--tls-ca", pki["ca"]]
     proc = subprocess.Popen(
-        [*CLI, "serve", "--port", "0", "--num-blocks", "128", *tls, "--auth-token-file", pki["token"]],
+        [*CLI, "serve", "--port", "0", "--num-blocks", "128", *tls, "--auth-token-file", pki["token"]]
+        + ["--model", "random:default"],
         stdout=out.open("w"),
         stderr=err.open("w"),
     )

@@ -84,7 +84,8 @@ def _children(pid: int) -> list[int]:
 def test_serve_with_http_port_runs_the_front_as_a_third_child(tmp_path):
     out = tmp_path / "serve.out"
     err = tmp_path / "serve.err"
-    args = ["serve", "--port", "0", "--http-port", "0", "--num-blocks", "64", "--cpu-kernels", "reference"]
+    args = ["serve", "--port", "0", "--http-port", "0", "--num-blocks", "64", "--cpu-kernels", "reference",
+            "--model", "random:default"]  # fmt: skip
     proc = subprocess.Popen([*CLI, *args], stdout=out.open("w"), stderr=err.open("w"))
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
