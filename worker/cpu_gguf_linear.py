@@ -98,5 +98,6 @@ def gguf_linear(ops: CpuOps, parts: list[GgufBlockWeight | Tensor], bias: Tensor
     blocks = all(isinstance(p, GgufBlockWeight) for p in parts)
     if blocks and all(p.ggml_type in NATIVE_TYPES for p in parts) and len({p.shape[1] for p in parts}) == 1:
         return GgufLinear(ops, parts, bias)
-    dense = [p.dequantize(torch.float32) if isinstance(p, GgufBlockWeight) else p.detach().float() for p in parts]
+    dense = [p.dequantize(torch.float32) if isinstance(p, GgufBlockWeight) else p.detach().float()
+             for p in parts]  # fmt: skip
     return PanelLinear(ops, torch.cat(dense), bias, dtype)
