@@ -53,7 +53,8 @@ from pagedkv.supervisor import Backoff, Supervisor, describe_exit
 from pagedkv.tp_cli import follower_commands, serve_worker_flags
 
 START_TIMEOUT_S = 600.0  # first start may build the default model's weights
-EXAMPLE_PROMPT = "What is the capital of France? Answer in one sentence."  # the banner's ready-to-paste request
+# the banner's ready-to-paste request
+EXAMPLE_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
 def _flags(args, names: list[str]) -> list[str]:
