@@ -58,7 +58,8 @@ def test_logits_and_greedy_tokens_equal_transformers(gguf_model, family, kind, c
         assert "as packed blocks" in formats, formats
         for k, row in enumerate(seq.logits):
             assert_logits_close(row, reference[k], rel=0.1)
-        agree = sum(int(row.argmax()) == int(ref.argmax()) for row, ref in zip(seq.logits, reference, strict=True))
+        pairs = zip(seq.logits, reference, strict=True)
+        agree = sum(int(row.argmax()) == int(ref.argmax()) for row, ref in pairs)
         assert agree >= 7, f"teacher-forced top-1 agreement {agree}/8 with transformers"
         return
     assert seq.generated == hf_greedy(oracle, PROMPT, 8)
