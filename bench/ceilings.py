@@ -158,6 +158,30 @@ def model_gemm_shapes(config: dict) -> list[tuple[int, int]]:
     return layer * config["num_hidden_layers"] + [(config["vocab_size"], hidden)]
 
 
+def _gflops_over_shapes(shapes: list[tuple[int, int]], rows: int, make_run, repeats: int) -> float:
+    """GFLOP/s of `make_run(n, k)()` (one x[rows, K] @ W[N, K].T) summed over the shapes, each
+    distinct shape timed once (its best of `repeats`, after one warm-up call: oneDNN's JIT) and
+    weighted by how often it occurs: a model repeats the same few per layer."""
+    import torch
+
+    counts: dict[tuple[int, int], int] = {}
+    for shape in shapes:
+        counts[tuple(shape)] = counts.get(tuple(shape), 0) + 1
+    flops = seconds = 0.0
+    with torch.inference_mode():
+        for (n, k), count in counts.items():
+            run = make_run(n, k)
+            run()
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                run()
+                best = min(best, time.perf_counter() - t0)
+            flops += 2.0 * rows * n * k * count
+            seconds += best * count
+    return flops / seconds / 1e9
+
+
 def packed_gemm_gflops(
     shapes: list[tuple[int, int]],
     dtype="float32",
@@ -166,31 +190,19 @@ def packed_gemm_gflops(
     repeats: int = 5,
 ) -> float:
     """GFLOP/s of oneDNN's prepacked GEMM, x[rows, K] @ W[N, K].T for each (N, K), summed
-    over the shapes (each shape's best of `repeats`). Distinct shapes are timed once each:
-    a model repeats the same few per layer."""
+    over the shapes (each shape's best of `repeats`)."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    counts: dict[tuple[int, int], int] = {}
-    for shape in shapes:
-        counts[tuple(shape)] = counts.get(tuple(shape), 0) + 1
-    flops = seconds = 0.0
-    with torch.inference_mode():
-        for (n, k), count in counts.items():
-            weight = torch.randn(n, k).to(dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
-            x = torch.randn(rows, k).to(dtype)
-            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # warm: oneDNN JIT
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-                best = min(best, time.perf_counter() - t0)
-            flops += 2.0 * rows * n * k * count
-            seconds += best * count
-    return flops / seconds / 1e9
+
+    def make_run(n: int, k: int):
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(dtype), PACKING_BATCH_HINT)
+        x = torch.randn(rows, k).to(dtype)
+        return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    return _gflops_over_shapes(shapes, rows, make_run, repeats)
 
 
 def int8_gemm_gflops(
@@ -206,31 +218,16 @@ def int8_gemm_gflops(
     onednn = getattr(torch.ops, "onednn", None)
     if onednn is None or not hasattr(onednn, "qlinear_pointwise"):
         return None
-    counts: dict[tuple[int, int], int] = {}
-    for shape in shapes:
-        counts[tuple(shape)] = counts.get(tuple(shape), 0) + 1
-    flops = seconds = 0.0
-    with torch.inference_mode():
-        for (n, k), count in counts.items():
-            weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-            packed = onednn.qlinear_prepack(weight, [rows, k])
-            x = torch.randint(0, 256, (rows, k), dtype=torch.uint8)
-            scales, zeros = torch.full((n,), 0.01), torch.zeros(n, dtype=torch.int64)
 
-            def run(x=x, packed=packed, scales=scales, zeros=zeros):
-                return onednn.qlinear_pointwise(
-                    x, 0.02, 0, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
-                )
+    def make_run(n: int, k: int):
+        packed = onednn.qlinear_prepack(torch.randint(-127, 128, (n, k), dtype=torch.int8), [rows, k])
+        x = torch.randint(0, 256, (rows, k), dtype=torch.uint8)
+        scales, zeros = torch.full((n,), 0.01), torch.zeros(n, dtype=torch.int64)
+        return lambda: onednn.qlinear_pointwise(
+            x, 0.02, 0, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        )
 
-            run()  # warm: oneDNN JIT
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                run()
-                best = min(best, time.perf_counter() - t0)
-            flops += 2.0 * rows * n * k * count
-            seconds += best * count
-    return flops / seconds / 1e9
+    return _gflops_over_shapes(shapes, rows, make_run, repeats)
 
 
 def shape_ceilings(n: int, k: int, rows: int, threads: int, peaks: dict, repeats: int = 5) -> dict:
