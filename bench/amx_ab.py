@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import os
 import random
-import time
 
 import torch
 
 from base.plan import SamplingParams
-from bench.ceilings import QWEN05_SHAPES, packed_gemm_gflops
+from bench.ceilings import QWEN05_SHAPES, best_seconds, packed_gemm_gflops
 from bench.common import TimedWorker, decode_steps_lockstep, engine_for, median
 from bench.suite_cli import suite_main
 from kernels import cpu_build
@@ -61,16 +60,6 @@ def _worker(name: str) -> Worker:
     return worker
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
 def gemm_rates(ops: dict, rounds: int, repeats: int) -> dict:
     """GFLOP/s per shape of each variant's pk_linear and oneDNN, best over interleaved rounds."""
     res = {}
@@ -81,7 +70,7 @@ def gemm_rates(ops: dict, rounds: int, repeats: int) -> dict:
         best: dict[str, float] = {}
         for _ in range(rounds):
             for name, layer in layers.items():
-                rate = 2 * rows * n * k / _best_seconds(lambda layer=layer, x=x: layer(x), repeats) / 1e9
+                rate = 2 * rows * n * k / best_seconds(lambda layer=layer, x=x: layer(x), repeats) / 1e9
                 best[name] = max(best.get(name, 0.0), rate)
             best["onednn"] = max(
                 best.get("onednn", 0.0), packed_gemm_gflops([(n, k)], "bfloat16", rows, None, repeats)

@@ -158,6 +158,18 @@ def model_gemm_shapes(config: dict) -> list[tuple[int, int]]:
     return layer * config["num_hidden_layers"] + [(config["vocab_size"], hidden)]
 
 
+def best_seconds(run, repeats: int) -> float:
+    """The fastest of `repeats` calls of `run()`, after one untimed warm-up call (oneDNN's JIT,
+    first-touch pages)."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def _gflops_over_shapes(shapes: list[tuple[int, int]], rows: int, make_run, repeats: int) -> float:
     """GFLOP/s of `make_run(n, k)()` (one x[rows, K] @ W[N, K].T) summed over the shapes, each
     distinct shape timed once (its best of `repeats`, after one warm-up call: oneDNN's JIT) and
@@ -170,15 +182,8 @@ def _gflops_over_shapes(shapes: list[tuple[int, int]], rows: int, make_run, repe
     flops = seconds = 0.0
     with torch.inference_mode():
         for (n, k), count in counts.items():
-            run = make_run(n, k)
-            run()
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                run()
-                best = min(best, time.perf_counter() - t0)
             flops += 2.0 * rows * n * k * count
-            seconds += best * count
+            seconds += best_seconds(make_run(n, k), repeats) * count
     return flops / seconds / 1e9
 
 
