@@ -138,3 +138,52 @@ __attribute__((target("avx512f,avx512bf16"))) double ceil_dpbf16(int threads, lo
     *sink = total;
     return (double)threads * iters * 12 * 64 / seconds / 1e9;
 }
+
+/* AMX bf16 peak: chains of tdpbf16ps on 4 accumulator tiles from 2 A and 2 B tiles loaded once
+ * (16 x 16 x 32 multiply-adds each = 16384 FLOPs). The caller must hold the tile permission
+ * (kernels/cpu_build.py amx_tile_permission) or the first tile instruction is SIGILL; -1 where
+ * the compiler does not target AMX. Per thread: the tile config is thread state. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+double ceil_amx_bf16(int threads, long iters, float *sink) {
+    float total = 0;
+    double t0 = omp_get_wtime();
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        struct {
+            unsigned char palette, start_row, reserved[14];
+            unsigned short colsb[16];
+            unsigned char rows[16];
+        } cfg = {1, 0, {0}, {0}, {0}};
+        for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+        _tile_loadconfig(&cfg);
+        unsigned short ab[16 * 32];
+        for (int i = 0; i < 16 * 32; i++) ab[i] = 0x3A83; /* ~1e-3 in bf16 */
+        float out[16 * 16];
+        _tile_loadd(4, ab, 64);
+        _tile_loadd(5, ab, 64);
+        _tile_loadd(6, ab, 64);
+        _tile_loadd(7, ab, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (long i = 0; i < iters; i++) {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, out, 64);
+        total += out[0];
+        _tile_release();
+    }
+    double seconds = omp_get_wtime() - t0;
+    *sink = total;
+    return (double)threads * iters * 4 * 16384 / seconds / 1e9;
+}
+#else
+double ceil_amx_bf16(int threads, long iters, float *sink) {
+    (void)threads, (void)iters, (void)sink;
+    return -1;
+}
+#endif

@@ -6,10 +6,17 @@
   slower than the memory system can (../shared/notes/peer-llamacpp-cpu.md), which would
   flatter every "% of the limit"; and the figure swings minute to minute on shared VMs, so
   measure it in the same run as the timings it divides.
-- `isa_peak_gflops`: fp32 FMA throughput of a register-only loop, and bf16 dot-product
-  (`vdpbf16ps`) throughput where the CPU has avx512_bf16.
-- `packed_gemm_gflops`: oneDNN's prepacked GEMM (what the fast CPU forward calls) on given
-  weight shapes: the "packed GEMM ceiling" of prefill and batched decode.
+- `isa_peak_gflops`: fp32 FMA throughput of a register-only loop, bf16 dot-product
+  (`vdpbf16ps`) throughput where the CPU has avx512_bf16, and AMX tile (`tdpbf16ps`) throughput
+  where it has AMX and the kernel grants the tile state.
+- `packed_gemm_gflops`: oneDNN's prepacked GEMM on given weight shapes: the "packed GEMM
+  ceiling" of prefill and batched decode. In bf16 on an AMX CPU it is oneDNN's AMX brgemm
+  (its verbose log names `brg_matmul:..._amx`), so it counts the matrix engine.
+- `int8_gemm_gflops`: oneDNN's u8 x s8 -> fp32 quantized linear (`onednn.qlinear_pointwise`,
+  AMX int8 brgemm where the CPU has it). `torch._int_mm` is not used: on CPU it reaches oneDNN's
+  generic s8 gemm_api, not brgemm, at a fraction of the rate (measured: docs/PERF.md, AMX).
+- `matrix_engine`: which engine bounds a bf16 GEMM here ("amx", "avx512_bf16" or "fma"), so
+  reports divide by the ceiling of the engine this CPU has (`engine_peak_gflops`).
 
 The C file is compiled at first use with the host's `cc -O3 -march=native -fopenmp` into
 ~/.cache/pagedkv-bench (keyed by source, compiler and CPU flags) and loaded with ctypes.
@@ -71,7 +78,7 @@ def _library() -> ctypes.CDLL:
         ctypes.c_int,
         ctypes.POINTER(ctypes.c_uint64),
     ]
-    for name in ("ceil_fma_fp32", "ceil_dpbf16"):
+    for name in ("ceil_fma_fp32", "ceil_dpbf16", "ceil_amx_bf16"):
         fn = getattr(so, name)
         fn.restype, fn.argtypes = (
             ctypes.c_double,
@@ -107,7 +114,32 @@ def isa_peak_gflops(threads: int = 2, iters: int = 20_000_000, repeats: int = 3)
     out["bf16"] = (
         max(lib.ceil_dpbf16(threads, iters, ctypes.byref(sink)) for _ in range(repeats)) if has_bf16 else None
     )
+    out["amx_bf16"] = None
+    if matrix_engine() == "amx":
+        # a tdpbf16ps does 32x the work of a vdpbf16ps: fewer iterations for the same time
+        rate = max(
+            lib.ceil_amx_bf16(threads, max(iters // 32, 1000), ctypes.byref(sink)) for _ in range(repeats)
+        )
+        out["amx_bf16"] = rate if rate > 0 else None
     return out
+
+
+def matrix_engine() -> str:
+    """What bounds a bf16 GEMM on this CPU: "amx" (flags and the kernel's tile permission, asked
+    for this process), "avx512_bf16" (vdpbf16ps) or "fma"."""
+    from kernels.cpu_build import amx_tile_permission  # stdlib only
+
+    flags = cpu_flags()
+    if {"amx_tile", "amx_bf16"} <= flags and amx_tile_permission() is None:
+        return "amx"
+    return "avx512_bf16" if "avx512_bf16" in flags else "fma"
+
+
+def engine_peak_gflops(peaks: dict, dtype: str) -> float | None:
+    """The ISA peak a GEMM of `dtype` divides by: the matrix engine's where the CPU has one."""
+    if dtype == "float32":
+        return peaks.get("fp32")
+    return peaks.get("amx_bf16") or peaks.get("bf16") or peaks.get("fp32")
 
 
 def model_gemm_shapes(config: dict) -> list[tuple[int, int]]:
@@ -126,6 +158,35 @@ def model_gemm_shapes(config: dict) -> list[tuple[int, int]]:
     return layer * config["num_hidden_layers"] + [(config["vocab_size"], hidden)]
 
 
+def best_seconds(run, repeats: int) -> float:
+    """The fastest of `repeats` calls of `run()`, after one untimed warm-up call (oneDNN's JIT,
+    first-touch pages)."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _gflops_over_shapes(shapes: list[tuple[int, int]], rows: int, make_run, repeats: int) -> float:
+    """GFLOP/s of `make_run(n, k)()` (one x[rows, K] @ W[N, K].T) summed over the shapes, each
+    distinct shape timed once (its best of `repeats`, after one warm-up call: oneDNN's JIT) and
+    weighted by how often it occurs: a model repeats the same few per layer."""
+    import torch
+
+    counts: dict[tuple[int, int], int] = {}
+    for shape in shapes:
+        counts[tuple(shape)] = counts.get(tuple(shape), 0) + 1
+    flops = seconds = 0.0
+    with torch.inference_mode():
+        for (n, k), count in counts.items():
+            flops += 2.0 * rows * n * k * count
+            seconds += best_seconds(make_run(n, k), repeats) * count
+    return flops / seconds / 1e9
+
+
 def packed_gemm_gflops(
     shapes: list[tuple[int, int]],
     dtype="float32",
@@ -134,36 +195,68 @@ def packed_gemm_gflops(
     repeats: int = 5,
 ) -> float:
     """GFLOP/s of oneDNN's prepacked GEMM, x[rows, K] @ W[N, K].T for each (N, K), summed
-    over the shapes (each shape's best of `repeats`). Distinct shapes are timed once each:
-    a model repeats the same few per layer."""
+    over the shapes (each shape's best of `repeats`)."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    counts: dict[tuple[int, int], int] = {}
-    for shape in shapes:
-        counts[tuple(shape)] = counts.get(tuple(shape), 0) + 1
-    flops = seconds = 0.0
-    with torch.inference_mode():
-        for (n, k), count in counts.items():
-            weight = torch.randn(n, k).to(dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
-            x = torch.randn(rows, k).to(dtype)
-            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # warm: oneDNN JIT
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-                best = min(best, time.perf_counter() - t0)
-            flops += 2.0 * rows * n * k * count
-            seconds += best * count
-    return flops / seconds / 1e9
+
+    def make_run(n: int, k: int):
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(dtype), PACKING_BATCH_HINT)
+        x = torch.randn(rows, k).to(dtype)
+        return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    return _gflops_over_shapes(shapes, rows, make_run, repeats)
+
+
+def int8_gemm_gflops(
+    shapes: list[tuple[int, int]], rows: int = 64, threads: int | None = None, repeats: int = 5
+) -> float | None:
+    """GFLOP/s (2 ops per multiply-add) of oneDNN's int8 linear, u8 activations x s8 weights
+    (per-channel scales) -> fp32, prepacked, on each (N, K), summed like packed_gemm_gflops.
+    None where this torch has no oneDNN quantized linear."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    onednn = getattr(torch.ops, "onednn", None)
+    if onednn is None or not hasattr(onednn, "qlinear_pointwise"):
+        return None
+
+    def make_run(n: int, k: int):
+        packed = onednn.qlinear_prepack(torch.randint(-127, 128, (n, k), dtype=torch.int8), [rows, k])
+        x = torch.randint(0, 256, (rows, k), dtype=torch.uint8)
+        scales, zeros = torch.full((n,), 0.01), torch.zeros(n, dtype=torch.int64)
+        return lambda: onednn.qlinear_pointwise(
+            x, 0.02, 0, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+
+    return _gflops_over_shapes(shapes, rows, make_run, repeats)
+
+
+def shape_ceilings(n: int, k: int, rows: int, threads: int, peaks: dict, repeats: int = 5) -> dict:
+    """One GEMM shape's ceilings side by side: oneDNN bf16 and int8, the ISA peaks (FMA,
+    vdpbf16ps, AMX), and which engine this CPU has."""
+    return {
+        "shape": [rows, k, n],
+        "onednn_bf16_gflops": packed_gemm_gflops([(n, k)], "bfloat16", rows, threads, repeats),
+        "onednn_fp32_gflops": packed_gemm_gflops([(n, k)], "float32", rows, threads, repeats),
+        "onednn_int8_gflops": int8_gemm_gflops([(n, k)], rows, threads, repeats),
+        "fma_fp32_gflops": peaks["fp32"],
+        "vdpbf16ps_gflops": peaks["bf16"],
+        "amx_bf16_gflops": peaks["amx_bf16"],
+        "matrix_engine": matrix_engine(),
+    }
+
+
+# (rows, N, K) of the Qwen2.5-0.5B GEMMs the AMX issue sizes its goals by (gate|up halves, down)
+QWEN05_SHAPES = ((256, 4864, 896), (1024, 4864, 896), (256, 896, 4864), (1024, 896, 4864))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="?", default="all", choices=("bandwidth", "isa", "gemm", "all"))
+    ap.add_argument("what", nargs="?", default="all", choices=("bandwidth", "isa", "gemm", "shapes", "all"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--size-bytes", type=int, default=2 << 30, help="bandwidth buffer")
     ap.add_argument("--model", type=Path, help="gemm: a checkpoint dir whose config.json gives the shapes")
@@ -176,8 +269,13 @@ def main() -> None:
     out: dict = {"threads": args.threads}
     if args.what in ("bandwidth", "all"):
         out["read_gbs"] = memory_read_bandwidth_gbs(args.threads, args.size_bytes)
-    if args.what in ("isa", "all"):
+    if args.what in ("isa", "shapes", "all"):
         out["isa_gflops"] = isa_peak_gflops(args.threads)
+        out["matrix_engine"] = matrix_engine()
+    if args.what in ("shapes", "all"):
+        out["shapes"] = [
+            shape_ceilings(n, k, rows, args.threads, out["isa_gflops"]) for rows, n, k in QWEN05_SHAPES
+        ]
     if args.what in ("gemm", "all") and args.model:
         config = json.loads((args.model / "config.json").read_text())
         shapes = model_gemm_shapes(config)[: -1 if args.prefill else None]

@@ -20,7 +20,10 @@ lock step so that background load hits all alike:
 - ceilings, each divided into the step it bounds:
   * packed GEMM: oneDNN's prepacked GEMM (the best GEMM torch has here) on the step's linear
     shapes at the step's rows; `fraction_of_packed_gemm` = that time / the whole step's time;
-  * ISA peak: FMA (fp32) or vdpbf16ps (bf16) throughput of a register-only loop;
+  * ISA peak: FMA (fp32), or for bf16 the matrix engine this CPU has (AMX tdpbf16ps, else
+    vdpbf16ps) throughput of a register-only loop (`matrix_engine` names it);
+  * prefill: the 8 x 256-token step's linears (LM head on its 8 sampling rows) at oneDNN's
+    prepacked rate at 256 rows (AMX brgemm on an AMX CPU) / the step's time;
   * memory bandwidth (batch 1): weight bytes read per token / the machine's streaming-read rate,
     measured before and after the timings (it swings by tens of percent minute to minute);
 - resident weight bytes of the fast forward vs the checkpoint's safetensors size.
@@ -35,7 +38,13 @@ import random
 import torch
 
 from base.plan import SamplingParams
-from bench.ceilings import isa_peak_gflops, memory_read_bandwidth_gbs, packed_gemm_gflops
+from bench.ceilings import (
+    engine_peak_gflops,
+    isa_peak_gflops,
+    matrix_engine,
+    memory_read_bandwidth_gbs,
+    packed_gemm_gflops,
+)
 from bench.common import TimedWorker, engine_for, median
 from bench.quant_writer import BENCH_QUANTS as QUANTIZED
 from bench.quant_writer import bench_checkpoint
@@ -144,7 +153,7 @@ def measure(shape: str, weights_list: list[str], quick: bool, peaks: dict, bandw
             resident / checkpoint_bytes(fast) if weights != "float32" else None
         )
         dtype = "float32" if weights == "float32" else "bfloat16"  # of the packed-GEMM ceiling
-        peak = None if weights in QUANTIZED else peaks["bf16" if dtype == "bfloat16" else "fp32"]
+        peak = None if weights in QUANTIZED else engine_peak_gflops(peaks, dtype)
         for batch in batches:
             mine = {kind: sec for (w, kind), sec in steps[batch].items() if w == weights}
             flops = sum(2 * batch * n * k for n, k in shapes)
@@ -166,9 +175,17 @@ def measure(shape: str, weights_list: list[str], quick: bool, peaks: dict, bandw
                 res[f"{prefix}_decode_b{batch}_speedup_over_bf16"] = (
                     steps[batch][("bfloat16", "fast")] / mine["fast"]
                 )
+        layers = shapes[1:]  # the LM head runs on the 8 sampling rows only
+        prefill_flops = 2 * 256 * sum(n * k for n, k in layers) + 2 * 8 * shapes[0][0] * shapes[0][1]
+        prefill_packed = packed_gemm_gflops(layers, dtype, 256, repeats=2 if quick else 5)
         for (w, kind), rate in prefill.items():
             if w == weights:
                 res[f"{prefix}_prefill_8x256_{kind}_tokens_per_s"] = rate
+                if kind == "fast":  # the step's GEMM seconds at oneDNN's rate / the step's seconds
+                    step_s = 8 * 256 / rate
+                    res[f"{prefix}_prefill_8x256_fraction_of_packed_gemm"] = (
+                        prefill_flops / (prefill_packed * 1e9) / step_s
+                    )
         if weights in QUANTIZED and ("bfloat16", "fast") in workers:
             bf16 = workers[("bfloat16", "fast")].fast_forward.resident_weight_bytes
             res[f"{prefix}_resident_over_bf16"] = resident / bf16
@@ -179,6 +196,7 @@ def run(quick: bool = False) -> dict:
     res: dict = {"threads": torch.get_num_threads()}
     peaks = isa_peak_gflops(res["threads"], iters=2_000_000 if quick else 20_000_000)
     res["isa_peak_fp32_gflops"], res["isa_peak_bf16_gflops"] = peaks["fp32"], peaks["bf16"]
+    res["isa_peak_amx_bf16_gflops"], res["matrix_engine"] = peaks["amx_bf16"], matrix_engine()
     size = (256 if quick else 2048) << 20
     before = memory_read_bandwidth_gbs(res["threads"], size)
     cases = [("small", w) for w in ("float32", "bfloat16", "awq-int4", "gptq-int8")]

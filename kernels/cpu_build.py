@@ -46,6 +46,7 @@ SOURCES = (
     "cpu_attention_decode.c",
     "cpu_attention_prefill.c",
     "cpu_gemm.c",
+    "cpu_gemm_amx.c",
     "cpu_ops.c",
     "cpu_quant.c",
     "cpu_gguf.c",
@@ -55,6 +56,7 @@ SOURCES = (
     "cpu_lora.c",
 )
 HEADERS = (
+    "cpu_gemm_amx.h",
     "cpu_simd.h",
     "cpu_kv_quant.h",
     "cpu_attention.h",
@@ -79,15 +81,24 @@ class Variant:
     name: str
     flags: tuple[str, ...]
     requires: frozenset[str]  # /proc/cpuinfo flags (x86) or Features (arm) the CPU must have
+    probe: str = ""  # a RUNTIME_PROBES check this process must also pass (flags are not enough)
 
 
 _V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+_BF16 = ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic")
 VARIANTS = {
     "x86_64": (
+        # AMX tiles for bf16 GEMMs of 4+ rows (cpu_gemm_amx.c); everything else as avx512bf16.
+        Variant(
+            "avx512amx",
+            (*_BF16, "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
+            frozenset(_V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"}),
+            probe="amx",
+        ),
         Variant(
             "avx512bf16",
-            ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic"),
+            _BF16,
             frozenset(_V4 | {"avx512_bf16", "avx512_vnni"}),
         ),
         Variant(
@@ -106,6 +117,37 @@ VARIANTS = {
     ),
 }
 GENERIC = (Variant("generic", (), frozenset()),)  # any other machine: the compiler's default target
+
+
+# -- checks beyond the CPU's flags --------------------------------------------------------------
+ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL_X86_64 = 0x1023, 18, 158
+
+
+def amx_tile_permission() -> str | None:
+    """None once Linux lets this process use the AMX tile registers, else why not.
+
+    The tile data (8 KiB a thread) is off until the process asks: arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA). The grant covers every thread of the process, present and future (the
+    OpenMP pool included), so asking once here, in the process that loads and runs the kernels,
+    before any tile instruction, is enough; without it the first tile instruction is SIGILL. A
+    kernel before 5.16, a hypervisor that hides the state, or a seccomp filter refuses."""
+    if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return "AMX tile permission is a Linux x86-64 request"
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.syscall(ctypes.c_long(SYS_ARCH_PRCTL_X86_64), ctypes.c_long(ARCH_REQ_XCOMP_PERM),
+                          ctypes.c_long(XFEATURE_XTILEDATA))  # fmt: skip
+    except (OSError, AttributeError) as exc:
+        return f"cannot ask the kernel for the AMX tile state: {exc}"
+    if rc != 0:
+        err = ctypes.get_errno()
+        return f"the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(err)})"
+    return None
+
+
+# Variant.probe -> check (None: pass; a string: why this process cannot run the variant). Tests
+# replace entries to play a CPU or kernel that grants or refuses.
+RUNTIME_PROBES = {"amx": amx_tile_permission}
 
 
 def machine_variants() -> tuple[Variant, ...]:
@@ -327,8 +369,19 @@ def _prebuild_variants() -> list[Variant]:
 
 
 # -- at start ----------------------------------------------------------------------------------------
-def usable_variants(features: frozenset[str] | None = None) -> list[Variant]:
-    """This CPU's variants, best first (one only if PAGEDKV_CPU_VARIANT names it)."""
+def _refusal(variant: Variant, features: frozenset[str]) -> str | None:
+    """Why this process cannot run `variant` (missing flags, then its runtime probe), or None."""
+    missing = ", ".join(sorted(variant.requires - features))
+    if missing:
+        return f"needs CPU features this CPU lacks: {missing}"
+    return RUNTIME_PROBES[variant.probe]() if variant.probe else None
+
+
+def choose_variants(features: frozenset[str] | None = None) -> tuple[list[Variant], list[str]]:
+    """(this process's variants, best first; why each probed variant better than the first was
+    passed over). One variant only if PAGEDKV_CPU_VARIANT names it, and an error if it cannot run.
+    The notes name only variants with a probe (the matrix engines): the flags of the others are
+    what /proc/cpuinfo already says, the probe's answer is not."""
     features = cpu_features() if features is None else features
     variants = machine_variants()
     forced = os.environ.get(VARIANT_ENV)
@@ -337,11 +390,23 @@ def usable_variants(features: frozenset[str] | None = None) -> list[Variant]:
         if not named:
             names = ", ".join(v.name for v in variants)
             raise CpuKernelBuildError(f"{VARIANT_ENV}={forced} is not a variant of this machine ({names})")
-        missing = ", ".join(sorted(named[0].requires - features))
-        if missing:
-            raise CpuKernelBuildError(f"{VARIANT_ENV}={forced} needs CPU features this CPU lacks: {missing}")
-        return named
-    return [v for v in variants if v.requires <= features]
+        reason = _refusal(named[0], features)
+        if reason:
+            raise CpuKernelBuildError(f"{VARIANT_ENV}={forced} {reason}")
+        return named, []
+    usable, notes = [], []
+    for variant in variants:
+        reason = _refusal(variant, features)
+        if reason is None:
+            usable.append(variant)
+        elif variant.probe and not usable:
+            notes.append(f"{variant.name} not used: {reason}")
+    return usable, notes
+
+
+def usable_variants(features: frozenset[str] | None = None) -> list[Variant]:
+    """This CPU's variants, best first (one only if PAGEDKV_CPU_VARIANT names it)."""
+    return choose_variants(features)[0]
 
 
 def jit_path(variant: Variant, compiler: str, cache_dir: Path | None = None) -> Path:
@@ -374,22 +439,24 @@ def find_or_build(
     prebuilt_dir = PREBUILT_DIR if prebuilt_dir is None else prebuilt_dir
     reasons = []
     cc = compiler_command()
-    for variant in usable_variants():
+    variants, notes = choose_variants()
+    for variant in variants:
         prebuilt = prebuilt_dir / f"{variant.name}.so"
         if key_matches(prebuilt, variant, None):
-            return prebuilt, variant, "prebuilt"
+            return prebuilt, variant, "; ".join(["prebuilt", *notes, *reasons])
         if cc is None:
             reasons.append(
                 f"{variant.name}: no prebuilt library for these sources, and no C compiler ($CC, cc, gcc)"
             )
             continue
         try:
-            return _build_in_cache(variant, cc, cache_dir)
+            path, chosen, origin = _build_in_cache(variant, cc, cache_dir)
+            return path, chosen, "; ".join([origin, *notes, *reasons])
         except CpuKernelBuildError as exc:
             reasons.append(f"{variant.name}: {exc}")
     if not reasons:
         reasons.append("no kernel variant for this CPU")
-    raise CpuKernelBuildError("; ".join(reasons))
+    raise CpuKernelBuildError("; ".join([*reasons, *notes]))
 
 
 @cache

@@ -24,6 +24,7 @@
 #include <omp.h>
 #endif
 
+#include "cpu_gemm_amx.h"
 #include "cpu_simd.h"
 
 #define NR 64          /* output columns per panel */
@@ -232,10 +233,13 @@ static void run_rows(const Gemm *g, int64_t row, int64_t rows, int64_t p, int co
     }
 }
 
-/* x rounded to bf16 pairs for vdpbf16ps: [m, kp] with a zero in the padding column. */
-static uint16_t *round_rows_bf16(const float *a, int64_t lda, int64_t m, int64_t k, int64_t kp, int threads) {
-    uint16_t *out = malloc((size_t)(m * kp + 32) * sizeof(uint16_t));
+/* x rounded to bf16 pairs for vdpbf16ps and the AMX tiles: [m_alloc, kp] with a zero in the
+ * padding column and zero rows from m to m_alloc (a tile reads whole 16-row blocks). */
+static uint16_t *round_rows_bf16(const float *a, int64_t lda, int64_t m, int64_t m_alloc, int64_t k, int64_t kp,
+                                 int threads) {
+    uint16_t *out = malloc((size_t)(m_alloc * kp + 32) * sizeof(uint16_t));
     if (!out) return NULL;
+    memset(out + m * kp, 0, (size_t)((m_alloc - m) * kp + 32) * sizeof(uint16_t));
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 65536)
     for (int64_t r = 0; r < m; ++r) {
         for (int64_t j = 0; j < k; ++j) out[r * kp + j] = bf16_from_float(a[r * lda + j]);
@@ -251,9 +255,12 @@ int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, con
               int64_t m, int64_t n, int64_t k, int64_t kp, int threads) {
     Gemm g = {dtype, y, ldc, x, lda, NULL, 0, w, m, n, kp};
     uint16_t *rounded = NULL;
+    /* AMX tiles take the K rows up to the last multiple of 32 (k_tiles); the register tiles below
+     * add the rest onto what the tiles stored. */
+    const int64_t k_tiles = PK_HAVE_AMX && dtype == DT_BF16 && m >= AMX_MIN_ROWS ? kp / AMX_K_STEP * AMX_K_STEP : 0;
 #if defined(__AVX512BF16__)
     if (dtype == DT_BF16) {
-        rounded = round_rows_bf16(x, lda, m, k, kp, threads);
+        rounded = round_rows_bf16(x, lda, m, k_tiles ? (m + 31) / 32 * 32 : m, k, kp, threads);
         if (!rounded) return -1;
         g.a16 = rounded, g.lda16 = kp;
     }
@@ -273,8 +280,9 @@ int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, con
         int t = 0, nt = 1;
 #endif
         const int64_t p_begin = panels * t / nt, p_end = panels * (t + 1) / nt;
+        if (k_tiles) amx_bf16_panels(y, ldc, g.a16, g.lda16, w, m, n, kp, k_tiles, p_begin, p_end);
         for (int64_t p = p_begin; p < p_end; ++p)
-            for (int64_t k0 = 0; k0 < kp; k0 += kc_max) {
+            for (int64_t k0 = k_tiles; k0 < kp; k0 += kc_max) {
                 const int64_t kc = kp - k0 < kc_max ? kp - k0 : kc_max;
                 for (int col = 0; col < groups; ++col)
                     if (p * NR + col * 16 * NV < n) run_rows(&g, 0, m, p, col, k0, kc);

@@ -24,6 +24,23 @@ def test_isa_peaks():
         assert peaks["bf16"] > 0.1
     else:
         assert peaks["bf16"] is None
+    # the matrix engine's peak exists exactly where the CPU and kernel run AMX tiles
+    assert (peaks["amx_bf16"] is not None) == (ceilings.matrix_engine() == "amx")
+    if peaks["amx_bf16"] is not None:
+        assert peaks["amx_bf16"] > 0.1
+
+
+def test_reports_divide_by_the_engine_the_cpu_has():
+    peaks = {"fp32": 100.0, "bf16": 200.0, "amx_bf16": 1600.0}
+    assert ceilings.engine_peak_gflops(peaks, "bfloat16") == 1600.0
+    assert ceilings.engine_peak_gflops(peaks, "float32") == 100.0
+    assert ceilings.engine_peak_gflops({**peaks, "amx_bf16": None}, "bfloat16") == 200.0
+    assert ceilings.engine_peak_gflops({"fp32": 100.0, "bf16": None, "amx_bf16": None}, "bfloat16") == 100.0
+
+
+def test_int8_gemm_reaches_onednn_or_says_none():
+    rate = ceilings.int8_gemm_gflops([(64, 64)], rows=16, repeats=1)
+    assert rate is None or rate > 0
 
 
 def test_packed_gemm_both_dtypes():

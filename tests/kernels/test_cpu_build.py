@@ -75,8 +75,121 @@ def test_a_library_is_not_trusted_by_its_name(generic_lib, tmp_path):
     assert not cpu_build.key_matches(copy, GENERIC, None)
 
 
+@pytest.fixture
+def amx_probe(monkeypatch):
+    """The AMX permission probe played by a test: set `.answer` to None (granted) or a reason."""
+
+    class Probe:
+        answer: str | None = None
+        calls = 0
+
+        def __call__(self):
+            self.calls += 1
+            return self.answer
+
+    probe = Probe()
+    monkeypatch.setitem(cpu_build.RUNTIME_PROBES, "amx", probe)
+    monkeypatch.setattr(cpu_build.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv(cpu_build.VARIANT_ENV, raising=False)
+    return probe
+
+
+X86 = {v.name: v for v in cpu_build.VARIANTS["x86_64"]}
+AMX_FLAGS = X86["avx512amx"].requires
+
+
+def test_amx_is_chosen_when_the_flags_are_there_and_the_kernel_grants_the_tiles(amx_probe):
+    variants, notes = cpu_build.choose_variants(AMX_FLAGS)
+    assert [v.name for v in variants][:2] == ["avx512amx", "avx512bf16"] and notes == []
+    assert amx_probe.calls == 1
+
+
+def test_a_refused_tile_permission_falls_back_with_the_reason(amx_probe):
+    amx_probe.answer = (
+        "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: Invalid argument)"
+    )
+    variants, notes = cpu_build.choose_variants(AMX_FLAGS)
+    assert variants[0].name == "avx512bf16"
+    assert notes == [f"avx512amx not used: {amx_probe.answer}"]
+
+
+def test_missing_amx_flags_fall_back_without_asking_the_kernel(amx_probe):
+    without = AMX_FLAGS - {"amx_tile"}
+    variants, notes = cpu_build.choose_variants(without)
+    assert variants[0].name == "avx512bf16" and amx_probe.calls == 0
+    assert notes == ["avx512amx not used: needs CPU features this CPU lacks: amx_tile"]
+    # an AMD EPYC's flags (AVX-512 BF16, no AMX): the same fallback, the same kind of note
+    epyc = X86["avx512bf16"].requires
+    variants, notes = cpu_build.choose_variants(epyc)
+    assert variants[0].name == "avx512bf16" and "amx_bf16, amx_int8, amx_tile" in notes[0]
+
+
+def test_a_forced_amx_variant_is_probed_too(amx_probe, monkeypatch):
+    monkeypatch.setenv(cpu_build.VARIANT_ENV, "avx512amx")
+    assert [v.name for v in cpu_build.usable_variants(AMX_FLAGS)] == ["avx512amx"]
+    amx_probe.answer = "refused by a seccomp filter"
+    with pytest.raises(
+        CpuKernelBuildError, match="PAGEDKV_CPU_VARIANT=avx512amx refused by a seccomp filter"
+    ):
+        cpu_build.usable_variants(AMX_FLAGS)
+    monkeypatch.setenv(cpu_build.VARIANT_ENV, "avx512bf16")  # forcing the older variant skips the probe
+    amx_probe.calls = 0
+    assert [v.name for v in cpu_build.usable_variants(AMX_FLAGS)] == ["avx512bf16"] and amx_probe.calls == 0
+
+
+def test_the_reason_amx_was_passed_over_reaches_the_origin(amx_probe, monkeypatch, tmp_path):
+    """What forward_kernels and the ready line print: "avx512bf16 (prebuilt; avx512amx not used: ...)"."""
+    amx_probe.answer = "refused"
+    monkeypatch.setattr(cpu_build, "cpu_features", lambda: AMX_FLAGS)
+    monkeypatch.setattr(cpu_build, "key_matches", lambda path, variant, _: variant.name == "avx512bf16")
+    path, variant, origin = cpu_build.find_or_build(tmp_path / "cache", tmp_path / "prebuilt")
+    assert (variant.name, origin) == ("avx512bf16", "prebuilt; avx512amx not used: refused")
+
+
+TILE_RUN = """
+import ctypes, sys
+from kernels import cpu_build
+if sys.argv[2] == "ask":
+    assert cpu_build.amx_tile_permission() is None
+lib = ctypes.CDLL(sys.argv[1])
+x, y = (ctypes.c_float * (16 * 32))(*[1.0] * 512), (ctypes.c_float * (16 * 64))()
+w = (ctypes.c_uint16 * (64 * 32))()
+lib.pk_linear.argtypes = cpu_build.SIGNATURES["pk_linear"][1]
+w[0] = 0x3F80  # W[0][0] = 1.0 in bf16
+assert lib.pk_linear(1, y, 64, x, 32, w, None, 16, 64, 32, 32, 1) == 0 and y[0] == 1.0 and y[64] == 1.0
+"""
+
+
+def test_the_tiles_need_the_kernels_permission_and_the_probe_gets_it(tmp_path):
+    """On an AMX CPU whose kernel grants the tile state: the same 16-row bf16 linear dies of SIGILL
+    in a process that did not ask, and runs in one that did (so the probe is both needed and
+    enough). Elsewhere the probe's refusal is a reason, never an exception."""
+    import signal
+    import subprocess
+    import sys
+
+    answer = cpu_build.amx_tile_permission()
+    if not {"amx_tile", "amx_bf16"} <= cpu_build.cpu_features() or answer is not None:
+        assert answer is None or isinstance(answer, str)
+        pytest.skip(f"no AMX tiles to run here: {answer or 'the CPU lacks the amx_tile/amx_bf16 flags'}")
+    variant = X86["avx512amx"]
+    lib = cpu_build.PREBUILT_DIR / "avx512amx.so"
+    if not cpu_build.key_matches(lib, variant, None):
+        cc = cpu_build.compiler_command() or pytest.skip("no prebuilt avx512amx kernels and no compiler")
+        lib = cpu_build.compile_variant(variant, tmp_path / "avx512amx.so", cc)
+    env = {**os.environ, "PYTHONPATH": str(cpu_build.HERE.parent)}
+    runs = {
+        mode: subprocess.run([sys.executable, "-c", TILE_RUN, str(lib), mode], env=env, capture_output=True,
+                             text=True, timeout=120)
+        for mode in ("ask", "skip")
+    }  # fmt: skip
+    assert runs["ask"].returncode == 0, runs["ask"].stderr
+    assert runs["skip"].returncode == -signal.SIGILL, runs["skip"].stderr
+
+
 def test_variants_follow_the_running_cpu(monkeypatch):
     monkeypatch.delenv(cpu_build.VARIANT_ENV, raising=False)
+    monkeypatch.setitem(cpu_build.RUNTIME_PROBES, "amx", lambda: None)  # flags decide here, not this kernel
     names = [v.name for v in cpu_build.machine_variants()]
     assert [v.name for v in cpu_build.usable_variants(frozenset())] == ["generic"]
     everything = frozenset().union(*(v.requires for v in cpu_build.machine_variants()))

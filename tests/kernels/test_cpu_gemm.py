@@ -12,6 +12,8 @@ import torch
 from worker.cpu_weights import PANEL, PanelLinear, pack_panels, unpack_panels
 
 WEIGHT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Variants whose bf16 linears multiply x rounded to bf16 (vdpbf16ps, AMX tdpbf16ps)
+ROUNDS_X_TO_BF16 = ("avx512bf16", "avx512amx")
 
 
 def test_panel_layout_is_the_documented_index_math():
@@ -51,7 +53,9 @@ def test_pk_linear_matches_float64(ops, dtype, rows, shape):
     x = torch.randn(rows, k, generator=gen)
     got = PanelLinear(ops, weight, bias, dtype)(x)
     # vdpbf16ps multiplies x rounded to bf16; every other path the fp32 x
-    x_used = x.to(torch.bfloat16).float() if dtype == torch.bfloat16 and ops.variant == "avx512bf16" else x
+    x_used = (
+        x.to(torch.bfloat16).float() if dtype == torch.bfloat16 and ops.variant in ROUNDS_X_TO_BF16 else x
+    )
     want = x_used.double() @ weight.double().T + (0 if bias is None else bias.double())
     scale = (x_used.double().abs() @ weight.double().abs().T).max().item()
     assert (got.double() - want).abs().max().item() <= 2e-6 * scale
@@ -63,7 +67,7 @@ def test_pk_linear_with_odd_k_in_bf16(ops):
     x = torch.randn(5, 33)
     layer = PanelLinear(ops, weight, None, torch.bfloat16)
     got = layer(x)
-    x_used = x.to(torch.bfloat16).float() if ops.variant == "avx512bf16" else x
+    x_used = x.to(torch.bfloat16).float() if ops.variant in ROUNDS_X_TO_BF16 else x
     torch.testing.assert_close(got, x_used @ weight.float().T, rtol=1e-5, atol=1e-4)
 
 

@@ -1,0 +1,161 @@
+/* bf16 linears on AMX tiles (tdpbf16ps): y = x W^T over the same resident panels the AVX-512
+ * kernel and the batch-1 GEMV read (cpu_gemm.c), so the tiles cost no second copy of the weights.
+ *
+ * Why the panels need no repacking: a tdpbf16ps B tile is 16 rows of 64 bytes, row r holding
+ * pairs (W[n][2r], W[n][2r+1]) for 16 columns n. A bf16 panel row (one k pair) is 64 columns x
+ * 2 = 256 bytes, so the B tile for k pairs kk..kk+15 and columns 16c..16c+15 of a panel starts at
+ * panel + kk * 128 + c * 32 (bf16 elements) with a row stride of 256 bytes.
+ *
+ * Blocking: 8 tile registers = 4 accumulators (a 32-row x 32-column block of y, as 2 x 2 tiles of
+ * 16 x 16 fp32) + 2 A tiles (16 rows x 32 k of x in bf16) + 2 B tiles; each k step of 32 loads 4
+ * tiles for 4 tdpbf16ps. Loop order: K block (AMX_KC) > chunk of AMX_MC rows > panel >
+ * 32-column half > 32-row block > k step. The half panel's K block stays in L1/L2 while the row
+ * blocks stream past it, the chunk's rows of x stay in L2 while the thread's panels pass, and
+ * the accumulators live in tiles for a whole K block (y is loaded back only between K blocks:
+ * never for K <= AMX_KC, e.g. every 0.5B linear but the down projection). A block of fewer than
+ * 17 valid rows runs 1 x 2 tiles instead (x's bf16 copy has zero rows up to a multiple of 32).
+ *
+ * Numerics: the products of bf16 pairs are exact in fp32 and accumulate in fp32, as vdpbf16ps
+ * does; the order of the additions differs from the AVX-512 kernel (tdpbf16ps sums a k pair,
+ * then adds it), which the tests bound by the usual fp32 tolerance.
+ */
+#include "cpu_gemm_amx.h"
+
+#if PK_HAVE_AMX
+#include <immintrin.h>
+#include <string.h>
+
+#define PANEL_COLS 64
+/* Cache blocking (multiples of 32; measured on a 2-core Sapphire-Rapids-class VM against 512 /
+ * 512, 256 / 512, 2048 / 256: docs/PERF.md): a K block of a half panel is 32 x 1024 bf16 = 64
+ * KiB, AMX_MC rows of x's K block 512 KiB, both within a core's 2 MiB L2. */
+#ifndef AMX_KC
+#define AMX_KC 1024
+#endif
+#ifndef AMX_MC
+#define AMX_MC 256
+#endif
+
+/* Tile registers: 0..3 accumulators (C[row half][col half]), 4..5 A, 6..7 B. */
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void load_tile_config(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16; /* every tile: 16 rows x 64 B */
+    _tile_loadconfig(&cfg);
+}
+
+/* Accumulator tile T (a compile-time register number) <-> y's 16 x 16 block at (row, col),
+ * clipped to m rows and n columns: a full block moves directly, an edge one through `tmp`
+ * (zeros past the edge on the way in, so padding rows and columns stay finite). */
+#define STORE_TILE(T, row, col)                                                                    \
+    do {                                                                                           \
+        const int64_t rows_ = m - (row) < 16 ? m - (row) : 16;                                     \
+        const int64_t cols_ = n - (col) < 16 ? n - (col) : 16;                                     \
+        if (rows_ == 16 && cols_ == 16) {                                                          \
+            _tile_stored(T, y + (row) * ldc + (col), ldc * (int64_t)sizeof(float));                \
+        } else if (rows_ > 0 && cols_ > 0) {                                                       \
+            _tile_stored(T, tmp, 16 * sizeof(float));                                              \
+            for (int64_t r_ = 0; r_ < rows_; ++r_)                                                 \
+                memcpy(y + ((row) + r_) * ldc + (col), tmp + r_ * 16, (size_t)cols_ * sizeof(float)); \
+        }                                                                                          \
+    } while (0)
+
+#define LOAD_TILE(T, row, col)                                                                     \
+    do {                                                                                           \
+        const int64_t rows_ = m - (row) < 16 ? m - (row) : 16;                                     \
+        const int64_t cols_ = n - (col) < 16 ? n - (col) : 16;                                     \
+        if (!first) {                                                                              \
+            if (rows_ == 16 && cols_ == 16) {                                                      \
+                _tile_loadd(T, y + (row) * ldc + (col), ldc * (int64_t)sizeof(float));             \
+                break;                                                                             \
+            }                                                                                      \
+            memset(tmp, 0, sizeof tmp);                                                            \
+            for (int64_t r_ = 0; r_ < rows_; ++r_)                                                 \
+                if (cols_ > 0)                                                                     \
+                    memcpy(tmp + r_ * 16, y + ((row) + r_) * ldc + (col), (size_t)cols_ * sizeof(float)); \
+            _tile_loadd(T, tmp, 16 * sizeof(float));                                               \
+        } else {                                                                                   \
+            _tile_zero(T);                                                                         \
+        }                                                                                          \
+    } while (0)
+
+/* One 32-column half of a panel (b: its first k pair of this K block) x rows [row0, row_end) of
+ * the chunk, over K rows [k0, k0 + kc). The half's B block (32 columns x kc) stays in L1 while
+ * the rows' A tiles stream past it. */
+static void half_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *b, int64_t m,
+                       int64_t n, int64_t row0, int64_t row_end, int64_t col, int64_t k0, int64_t kc) {
+    float tmp[16 * 16];
+    const int first = k0 == 0;
+    const int64_t a_stride = lda16 * (int64_t)sizeof(uint16_t), b_stride = PANEL_COLS * 2 * sizeof(uint16_t);
+    for (int64_t row = row0; row < row_end; row += 32) {
+        const uint16_t *a0 = a16 + row * lda16 + k0, *a1 = a0 + 16 * lda16;
+        LOAD_TILE(0, row, col);
+        LOAD_TILE(1, row, col + 16);
+        if (m - row > 16) {
+            LOAD_TILE(2, row + 16, col);
+            LOAD_TILE(3, row + 16, col + 16);
+            for (int64_t k = 0; k < kc; k += 32) {
+                const uint16_t *bk = b + (k / 2) * PANEL_COLS * 2;
+                _tile_loadd(6, bk, b_stride);
+                _tile_loadd(4, a0 + k, a_stride);
+                _tile_loadd(7, bk + 32, b_stride);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(5, a1 + k, a_stride);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            STORE_TILE(2, row + 16, col);
+            STORE_TILE(3, row + 16, col + 16);
+        } else {
+            for (int64_t k = 0; k < kc; k += 32) {
+                const uint16_t *bk = b + (k / 2) * PANEL_COLS * 2;
+                _tile_loadd(6, bk, b_stride);
+                _tile_loadd(4, a0 + k, a_stride);
+                _tile_loadd(7, bk + 32, b_stride);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+        }
+        STORE_TILE(0, row, col);
+        STORE_TILE(1, row, col + 16);
+    }
+}
+
+int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                    int64_t n, int64_t kp, int64_t k32, int64_t p_begin, int64_t p_end) {
+    load_tile_config();
+    for (int64_t k0 = 0; k0 < k32; k0 += AMX_KC) {
+        const int64_t kc = k32 - k0 < AMX_KC ? k32 - k0 : AMX_KC;
+        for (int64_t row0 = 0; row0 < m; row0 += AMX_MC) {
+            const int64_t row_end = m - row0 < AMX_MC ? m : row0 + AMX_MC;
+            for (int64_t p = p_begin; p < p_end; ++p)
+                for (int half = 0; half < 2; ++half) {
+                    const int64_t col = p * PANEL_COLS + half * 32;
+                    if (col >= n) break;
+                    const uint16_t *b = w + p * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2 + half * 64;
+                    half_panel(y, ldc, a16, lda16, b, m, n, row0, row_end, col, k0, kc);
+                }
+        }
+    }
+    _tile_release();
+    return 0;
+}
+
+#else
+int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                    int64_t n, int64_t kp, int64_t k32, int64_t p_begin, int64_t p_end) {
+    (void)y, (void)ldc, (void)a16, (void)lda16, (void)w, (void)m, (void)n, (void)kp, (void)k32, (void)p_begin,
+        (void)p_end;
+    return -1; /* not an AMX build: pk_linear never calls it there */
+}
+#endif

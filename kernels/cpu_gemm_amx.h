@@ -1,0 +1,35 @@
+/* The AMX tile kernel of bf16 linears (cpu_gemm_amx.c), called by cpu_gemm.c's pk_linear for
+ * steps of AMX_MIN_ROWS rows or more. Compiled into every variant; it does work only where the
+ * compiler targets AMX (-mamx-tile -mamx-bf16: the avx512amx variant), which kernels/cpu_build.py
+ * picks only after the kernel granted this process the tile state (ARCH_REQ_XCOMP_PERM). */
+#ifndef PAGEDKV_CPU_GEMM_AMX_H
+#define PAGEDKV_CPU_GEMM_AMX_H
+
+#include <stdint.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PK_HAVE_AMX 1
+#else
+#define PK_HAVE_AMX 0
+#endif
+
+/* Rows from which the tiles beat the AVX-512 register tiles (measured at 896 x 4864, one thread:
+ * 0.84x at 1 row, 0.92x at 2, 1.3-1.7x at 3-4, 2.5x at 16; docs/PERF.md, AMX section). Under it
+ * the step streams the weights once and a 16-row tile would mostly multiply padding, so batch-1
+ * and batch-2 decode keep the AVX-512 code unchanged. */
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 4
+#endif
+/* K rows per tile step (a tile row is 64 bytes: 32 bf16); K past the last multiple of it is
+ * left to the caller's AVX-512 path, which adds onto the stored tiles. */
+#define AMX_K_STEP 32
+
+/* y[m, panels p_begin..p_end) = a16[m, 0..k32) x W^T for the panels of cpu_gemm.c's bf16 layout
+ * (W_p[N/64][kp/2][64][2], which is exactly the tile B operand's pairs-of-k layout). a16: x
+ * rounded to bf16, row stride lda16, with rows up to m rounded up to 32 readable (zeros past m).
+ * k32 = a multiple of AMX_K_STEP <= kp. Writes (never adds to) y's columns < n of those panels.
+ * Runs on the calling thread, which must hold the tile permission; returns 0. */
+int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                    int64_t n, int64_t kp, int64_t k32, int64_t p_begin, int64_t p_end);
+
+#endif
