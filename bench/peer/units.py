@@ -56,7 +56,7 @@ def vllm_env(peer_python: Path) -> tuple[dict, str]:
 def before_tree(rev: str) -> Path:
     """An import root where pagedkv's packages come from commit `rev` and `bench` from this
     tree (so this driver measures the old code): the old sources unpacked by `git archive`,
-    this tree's generated protobuf modules (the protos must be unchanged since `rev`), and
+    this tree's generated protobuf modules in base/v1 (the protos must be unchanged since `rev`), and
     symlinks. Its processes import the old code through PYTHONPATH, ahead of the editable
     install."""
     sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True,
@@ -71,9 +71,10 @@ def before_tree(rev: str) -> Path:
         source.mkdir(parents=True, exist_ok=True)
         archive = subprocess.run(["git", "archive", sha], cwd=ROOT, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
-        shutil.copytree(ROOT / "pagedkv" / "v1", source / "pagedkv" / "v1")
+        # The generated stubs live in base/v1 (never committed; pagedkv/v1 is a committed alias).
+        shutil.copytree(ROOT / "base" / "v1", source / "base" / "v1", dirs_exist_ok=True)
         root.mkdir()
-        for package in ("control_plane", "worker", "kernels", "pagedkv"):
+        for package in ("base", "control_plane", "worker", "kernels", "pagedkv"):
             (root / package).symlink_to(source / package)
         (root / "bench").symlink_to(ROOT / "bench")
     return root
