@@ -12,6 +12,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from bench.common import decode_step_seconds
 from worker import Worker, WorkerConfig
@@ -66,21 +67,28 @@ def _collective_latency(group: TPGroup, hidden: int, repeats: int) -> dict:
 
 def main(rank: int, size: int, init: str, threads: int, model: str, steps: int, out: str, batches) -> int:
     torch.set_num_threads(threads)
-    if model == "collectives":  # no model: the collectives' own cost
-        group = TPGroup(rank, size, init, torch.device("cpu"), step_timeout_s=600.0)
-        figures = _collective_latency(group, 512, steps)
-        if rank != 0:
-            return 0
-    elif size == 1:
+    if size == 1:
         figures = _time(Worker(_config(model)), None, steps, batches)
     else:
         group = TPGroup(rank, size, init, torch.device("cpu"), step_timeout_s=600.0)
-        worker = rank_worker(_config(model), group)
+        try:
+            if model == "collectives":  # no model: the collectives' own cost
+                figures = _collective_latency(group, 512, steps)
+            else:
+                worker = rank_worker(_config(model), group)
+                if rank != 0:
+                    return follow(worker, group)
+                leader = GroupLeader(worker, group)
+                figures = _time(leader, group, steps, batches)
+                leader.stop()
+        finally:
+            # Every rank leaves together and tears gloo down before the interpreter does: a rank
+            # that exited while its peer was still in a collective died of SIGABRT ("terminate
+            # called without an active exception") in gloo's destructor.
+            dist.barrier()
+            group.close()
         if rank != 0:
-            return follow(worker, group)
-        leader = GroupLeader(worker, group)
-        figures = _time(leader, group, steps, batches)
-        leader.stop()
+            return 0
     with open(out, "w") as f:
         json.dump(figures, f)
     return 0
