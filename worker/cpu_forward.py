@@ -134,10 +134,9 @@ def fast_forward_unavailable(model: CausalLM, device: torch.device, dtype: torch
 def _quantized_unavailable(model: CausalLM) -> str | None:
     """Quantized layers the kernels cannot take: odd input widths or groups, or fused
     projections (q|k|v, gate|up) of which only some, or differently, are quantized."""
+    # GGUF blocks are never refused: any type, any mix in a fused layer (gguf_linear takes them).
     quantized = {n: w for n, w in model.quantized.items() if not isinstance(w, GgufBlockWeight)}
     for name, weight in quantized.items():
-        if isinstance(weight, GgufBlockWeight):  # any type: blocks as they are, or panels (gguf_linear)
-            continue
         if weight.shape[1] % 2 or weight.group_size % 2:
             return f"{name}: quantized layers need an even input width and group size, got {weight.shape}"
     for index in range(len(model.model.layers)):
@@ -145,10 +144,9 @@ def _quantized_unavailable(model: CausalLM) -> str | None:
             part = "self_attn" if fused_names[0] == "q_proj" else "mlp"
             names = [f"model.layers.{index}.{part}.{n}" for n in fused_names]
             present = [quantized[n] for n in names if n in quantized]
-            gguf = all(isinstance(w, GgufBlockWeight) for w in present)
             if present and (
                 len(present) != len(names)
-                or (not gguf and len({(w.bits, w.group_size, w.scales.dtype) for w in present}) > 1)
+                or len({(w.bits, w.group_size, w.scales.dtype) for w in present}) > 1
             ):
                 return f"layer {index}: {', '.join(fused_names)} are not quantized alike (they are one GEMM)"
     return None

@@ -34,7 +34,11 @@ def _serve_default(tmp_path) -> tuple[subprocess.Popen, str]:
     is named, random:default: serve's default (SmolLM2 on int8-activation kernels) would make
     "identical tokens" a test of whether a recomputed prefill reproduces decode's near-ties."""
     out, err = tmp_path / "serve.out", tmp_path / "serve.err"
-    proc = subprocess.Popen([*CLI, "serve", "--port", "0", "--model", "random:default"], stdout=out.open("w"), stderr=err.open("w"))
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--port", "0", "--model", "random:default"],
+        stdout=out.open("w"),
+        stderr=err.open("w"),
+    )
     deadline = time.monotonic() + START_TIMEOUT_S
     while "pagedkv serving" not in out.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:

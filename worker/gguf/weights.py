@@ -1,7 +1,7 @@
 """A GGUF file's tensors as the decoder's parameters.
 
-    linear weights in NATIVE_TYPES (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), and a tied model's
-    embedding (its lm_head) in one
+    linear weights in cpu_gguf_linear.NATIVE_TYPES (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+    Q6_K), and a tied model's embedding (its lm_head) in one
         -> GgufBlockWeight in `model.quantized`, the file's blocks byte for byte (rows permuted
            back for llama's q/k); the module's .weight stays on the meta device
     F32 / F16 / BF16 tensors                 -> dense, in the compute dtype
@@ -25,8 +25,7 @@ from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from base.logs import get_logger
-from worker.cpu_gguf_linear import NATIVE_TYPE_NAMES
-from worker.cpu_gguf_linear import NATIVE_TYPES as NATIVE_BLOCK_TYPES
+from worker.cpu_gguf_linear import NATIVE_TYPE_NAMES, NATIVE_TYPES
 from worker.gguf.config import DENSE_TYPES, PERMUTED_ARCHITECTURES, architecture
 from worker.gguf.names import gguf_name, permuted_heads, unpermute_rows
 from worker.gguf.reader import GgufFile
@@ -34,8 +33,6 @@ from worker.model_config import ModelConfig
 from worker.quant.gguf_weight import GgufBlockWeight
 
 log = get_logger("pagedkv.worker")
-NATIVE_TYPES = tuple(sorted(NATIVE_BLOCK_TYPES))
-"""Quant types a linear keeps as its packed blocks (kernels/cpu_gguf.c runs them)."""
 TIED_EMBEDDING = "model.embed_tokens"
 """A tied model's embedding is its lm_head: in a native type it stays blocks too, under this
 name in `model.quantized` (the forwards gather its rows; the reference dequantizes it)."""
