@@ -45,6 +45,7 @@ SOURCES = (
     "cpu_attention_decode_quant.c",
     "cpu_attention_decode.c",
     "cpu_attention_prefill.c",
+    "cpu_attention_amx.c",
     "cpu_gemm.c",
     "cpu_gemm_amx.c",
     "cpu_ops.c",
@@ -56,6 +57,7 @@ SOURCES = (
     "cpu_lora.c",
 )
 HEADERS = (
+    "cpu_amx.h",
     "cpu_gemm_amx.h",
     "cpu_simd.h",
     "cpu_kv_quant.h",

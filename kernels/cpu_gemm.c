@@ -242,8 +242,10 @@ static uint16_t *round_rows_bf16(const float *a, int64_t lda, int64_t m, int64_t
     memset(out + m * kp, 0, (size_t)((m_alloc - m) * kp + 32) * sizeof(uint16_t));
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 65536)
     for (int64_t r = 0; r < m; ++r) {
-        for (int64_t j = 0; j < k; ++j) out[r * kp + j] = bf16_from_float(a[r * lda + j]);
-        for (int64_t j = k; j < kp; ++j) out[r * kp + j] = 0;
+        int64_t j = 0;
+        for (; j + 16 <= k; j += 16) store16_bf16(out + r * kp + j, load16(a + r * lda + j));
+        for (; j < k; ++j) out[r * kp + j] = bf16_from_float(a[r * lda + j]);
+        for (j = k; j < kp; ++j) out[r * kp + j] = 0;
     }
     return out;
 }

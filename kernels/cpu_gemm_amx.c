@@ -37,21 +37,6 @@
 #endif
 
 /* Tile registers: 0..3 accumulators (C[row half][col half]), 4..5 A, 6..7 B. */
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static void load_tile_config(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16; /* every tile: 16 rows x 64 B */
-    _tile_loadconfig(&cfg);
-}
 
 /* Accumulator tile T (a compile-time register number) <-> y's 16 x 16 block at (row, col),
  * clipped to m rows and n columns: a full block moves directly, an edge one through `tmp`
@@ -133,7 +118,7 @@ static void half_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16
 
 int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
                     int64_t n, int64_t kp, int64_t k32, int64_t p_begin, int64_t p_end) {
-    load_tile_config();
+    pk_amx_config_tiles();
     for (int64_t k0 = 0; k0 < k32; k0 += AMX_KC) {
         const int64_t kc = k32 - k0 < AMX_KC ? k32 - k0 : AMX_KC;
         for (int64_t row0 = 0; row0 < m; row0 += AMX_MC) {

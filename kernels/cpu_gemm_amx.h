@@ -7,11 +7,7 @@
 
 #include <stdint.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define PK_HAVE_AMX 1
-#else
-#define PK_HAVE_AMX 0
-#endif
+#include "cpu_amx.h"
 
 /* Rows from which the tiles beat the AVX-512 register tiles (measured at 896 x 4864, one thread:
  * 0.84x at 1 row, 0.92x at 2, 1.3-1.7x at 3-4, 2.5x at 16; docs/PERF.md, AMX section). Under it

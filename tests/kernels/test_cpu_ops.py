@@ -41,6 +41,21 @@ def random_paged_batch(rng, q_lens, ctx_lens, heads, kv_heads, dim, block_size, 
     return query, k_cache, v_cache, table_tensor, torch.tensor(ctx_lens, dtype=torch.int32), qsl
 
 
+def back_to_front_pools(keys, values, block_size):
+    """Pools holding one sequence's keys/values [ctx, kv_heads, dim] in blocks stored back to
+    front (block 0 unused), and its one-row block table."""
+    ctx = keys.shape[0]
+    num_blocks = -(-ctx // block_size)
+    k_cache = torch.zeros(num_blocks + 1, block_size, *keys.shape[1:], dtype=keys.dtype)
+    v_cache = torch.zeros_like(k_cache)
+    order = list(range(1, num_blocks + 1))[::-1]
+    for i, block in enumerate(order):
+        part = slice(i * block_size, min(ctx, (i + 1) * block_size))
+        n = part.stop - part.start
+        k_cache[block, :n], v_cache[block, :n] = keys[part], values[part]
+    return k_cache, v_cache, torch.tensor([order], dtype=torch.int32)
+
+
 def run_attention(ops, query, k_cache, v_cache, tables, seq_lens, qsl, scale, window=0):
     out = torch.full_like(query, float("nan"))
     heads, dim = query.shape[1], query.shape[2]
@@ -86,15 +101,7 @@ def test_attention_is_bit_identical_across_block_sizes(ops):
     seq_lens, qsl = torch.tensor([ctx], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
     outputs = []
     for block_size in (1, 8, 128):
-        num_blocks = -(-ctx // block_size)
-        k_cache = torch.zeros(num_blocks + 1, block_size, kv_heads, dim)
-        v_cache = torch.zeros_like(k_cache)
-        order = list(range(1, num_blocks + 1))[::-1]  # blocks stored back to front
-        for i, block in enumerate(order):
-            part = slice(i * block_size, min(ctx, (i + 1) * block_size))
-            n = part.stop - part.start
-            k_cache[block, :n], v_cache[block, :n] = keys[part], values[part]
-        tables = torch.tensor([order], dtype=torch.int32)
+        k_cache, v_cache, tables = back_to_front_pools(keys, values, block_size)
         outputs.append(run_attention(ops, query, k_cache, v_cache, tables, seq_lens, qsl, 0.125))
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 

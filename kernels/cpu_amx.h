@@ -1,0 +1,39 @@
+/* What the AMX tile kernels share (cpu_gemm_amx.c: bf16 linears; cpu_attention_amx.c: prefill
+ * attention): whether this build targets the tiles, and the one tile configuration both use.
+ * Compiled into every variant; only the avx512amx variant (-mamx-tile -mamx-bf16) has
+ * PK_HAVE_AMX, and kernels/cpu_build.py picks it only after the kernel granted this process the
+ * tile state (ARCH_REQ_XCOMP_PERM). */
+#ifndef PAGEDKV_CPU_AMX_H
+#define PAGEDKV_CPU_AMX_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PK_HAVE_AMX 1
+#include <immintrin.h>
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} PkTileConfig;
+
+/* Every one of the 8 tile registers as 16 rows x 64 bytes (palette 1): 16 x 16 fp32
+ * accumulators, 16 x 32 bf16 A operands, and B operands of 16 k pairs x 16 columns. The
+ * configuration is per thread: each parallel region loads it before its first tile and
+ * releases the tiles after its last. */
+static inline void pk_amx_config_tiles(void) {
+    PkTileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+#else
+#define PK_HAVE_AMX 0
+#endif
+
+#endif
