@@ -13,23 +13,19 @@ transformers in test_hf_equivalence.py / test_cpu_forward.py.
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from tests.cpu_kernels import load_ops
 from tests.worker import tp_rank_main
 from tests.worker.quant_checkpoints import LLAMA, QWEN2, QWEN3, QuantSpec
+from tests.worker.tp_launch import run_group as launch
 from tests.worker.worker_test_utils import CHECKPOINTS, CheckpointSpec, build_checkpoint
 from worker import Worker
 from worker.errors import WorkerConfigError
 from worker.model_config import parse_model_config
 from worker.tp.layout import plan_layout
 
-RANK_TIMEOUT_S = 300  # a hang guard for the group's processes
 TP_MODELS = {
     "llama-gqa-derived-head-dim": CHECKPOINTS["llama-gqa-derived-head-dim"],
     "qwen2-mqa-bias": CHECKPOINTS["qwen2-mqa-bias"],
@@ -49,26 +45,9 @@ ALL_MODELS = [*TP_MODELS, *TP_QUANTIZED]
 QUANTIZED_FAST_REL = 1.5e-4  # see test_tp2_fast_cpu_forward_equals_one_fast_worker
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_group(size: int, model_dirs: list[str], out, kernels: str = "reference") -> dict:
     """Start `size` rank processes on `model_dirs`; rank 0's results per model."""
-    init = f"tcp://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "tests.worker.tp_rank_main"]
-    args = [str(size), init, str(out), kernels, *model_dirs]
-    procs = [subprocess.Popen([*cmd, str(r), *args]) for r in range(size)]
-    try:
-        codes = [p.wait(RANK_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0] * size, codes
-    return torch.load(out)
+    return launch(size, "tests.worker.tp_rank_main", [str(out), kernels, *model_dirs], out)
 
 
 @pytest.fixture(scope="module")
