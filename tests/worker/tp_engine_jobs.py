@@ -24,6 +24,7 @@ class EngineJob:
     requests: tuple[tuple[str, tuple[int, ...], SamplingParams], ...]
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     plans_in_flight: int = 1
+    ends_sequences = True  # the worker mirrors no sequence afterwards (tp_engine_main checks every rank)
 
     def run(self, worker, max_steps: int = 5000) -> dict:
         """Every output in the order the engine handed it out (token ids, finish reason, beam
@@ -67,6 +68,7 @@ class FuzzJob:
     num_blocks: int
     in_flight: int
     spec: str = ""
+    ends_sequences = True
 
     @property
     def settings(self) -> dict:
@@ -80,3 +82,19 @@ class FuzzJob:
 
         return run_workload(self.path, self.workload, self.num_blocks, self.in_flight, spec=self.spec,
                             worker=worker)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TeacherForcedJob:
+    """The logits predicting each next token of `streams`, fed the streams (not the samples),
+    all decoded one token per step in one batch (worker_test_utils.teacher_forced)."""
+
+    name: str
+    settings: dict
+    streams: tuple[tuple[int, ...], ...]
+    ends_sequences = False  # the driver never finishes its sequences
+
+    def run(self, worker):
+        from tests.worker.worker_test_utils import teacher_forced
+
+        return teacher_forced(worker, [list(s) for s in self.streams])
