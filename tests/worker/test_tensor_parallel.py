@@ -281,3 +281,16 @@ def test_each_rank_decodes_exactly_its_slice_of_every_quantized_layer(quantized,
             dim, a, b = _slice_of(f"{name}.weight", config, layout) or (0, 0, expected.shape[0])
             expected = expected[a:b] if dim == 0 else expected[:, a:b]
             assert torch.equal(weight.dequantize(), expected), (rank, name)
+
+
+def test_a_gguf_file_is_refused_with_the_reason(checkpoint, tmp_path):
+    from gguf.constants import GGMLQuantizationType
+
+    from tests.worker.gguf_files import write_gguf
+    from worker.tp.sharded_model import ModelShard
+
+    hf_model, _ = checkpoint(LLAMA)
+    path = tmp_path / "model.gguf"
+    write_gguf(path, hf_model, GGMLQuantizationType.Q8_0)
+    with pytest.raises(WorkerConfigError, match="tensor parallelism does not shard GGUF files yet"):
+        Worker(tp_rank_main.config_for(str(path)), shard=ModelShard(0, 2, group=None))

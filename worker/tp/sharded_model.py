@@ -246,6 +246,12 @@ class ModelShard:
         from worker.tp.layout import plan_layout
 
         self.layout = plan_layout(config, self.rank, self.size)
+        if Path(model_dir).suffix.lower() == ".gguf":  # its blocks are not sliced yet
+            raise WorkerConfigError(
+                f"tensor parallelism does not shard GGUF files yet ({Path(model_dir).name}): serve it with "
+                "one worker, or a safetensors checkpoint (dense, AWQ, GPTQ or compressed-tensors) with "
+                "--tensor-parallel-size"
+            )
         return load_sharded(model_dir, config, self.layout, self.group, dtype, device)
 
     @property
