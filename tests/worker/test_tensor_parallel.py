@@ -302,3 +302,20 @@ def test_a_gguf_file_is_refused_with_the_reason(checkpoint, tmp_path):
     write_gguf(path, hf_model, GGMLQuantizationType.Q8_0)
     with pytest.raises(WorkerConfigError, match="tensor parallelism does not shard GGUF files yet"):
         Worker(tp_rank_main.config_for(str(path)), shard=ModelShard(0, 2, group=None))
+
+
+def test_a_quantized_lm_head_is_refused_with_the_reason(quantized, tmp_path):
+    """GPTQ's `lm_head: true`: the vocabulary split of packed codes is not implemented."""
+    import json
+    import shutil
+
+    from worker.tp.sharded_model import ModelShard
+
+    source = quantized(QuantSpec("gptq", 8, 32, sym=True), QWEN2).path
+    shutil.copytree(source, tmp_path / "model")
+    config_path = tmp_path / "model" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"]["lm_head"] = True
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(WorkerConfigError, match="does not shard a quantized lm_head yet"):
+        Worker(tp_rank_main.config_for(str(tmp_path / "model")), shard=ModelShard(0, 2, group=None))
