@@ -112,13 +112,15 @@ def test_tp2_fast_cpu_forward_equals_one_fast_worker(tp2_fast, model_dirs, name)
     _assert_same_as_one_worker(tp2_fast[model_dirs[name]], model_dirs[name], "fast", rel)
 
 
-def test_tp4_replicates_a_single_kv_head_and_shards_gptq_int8(model_dirs, quantized, tmp_path):
+def test_tp4_replicates_a_single_kv_head_and_shards_awq_and_gptq(model_dirs, quantized, tmp_path):
     """Qwen2 with one KV head on 4 ranks: each holds a copy of it and 1 of the 4 query heads.
-    In the same group, Qwen3 as GPTQ int8 g32: o_proj's 128 inputs split into four groups of 32,
-    each of its 2 KV heads held by 2 ranks (k / v's packed columns of that head)."""
-    dense, gptq = model_dirs["qwen2-mqa-bias"], str(quantized(QuantSpec("gptq", 8, 32), QWEN3).path)
-    results = run_group(4, [dense, gptq], tmp_path / "out.pt")
-    for model_dir in (dense, gptq):
+    In the same group, Qwen3 as GPTQ int8 g32 and as AWQ int4 g32: o_proj's 128 inputs split
+    into four groups of 32, each of its 2 KV heads held by 2 ranks (k / v's packed columns of
+    that head)."""
+    dirs = [model_dirs["qwen2-mqa-bias"]]
+    dirs += [str(quantized(spec, QWEN3).path) for spec in (QuantSpec("gptq", 8, 32), QuantSpec("awq", 4, 32))]
+    results = run_group(4, dirs, tmp_path / "out.pt")
+    for model_dir in dirs:
         _assert_same_as_one_worker(results[model_dir], model_dir)
 
 
