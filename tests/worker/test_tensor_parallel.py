@@ -24,6 +24,7 @@ from tests.worker.worker_test_utils import CHECKPOINTS, CheckpointSpec, build_ch
 from worker import Worker
 from worker.errors import WorkerConfigError
 from worker.model_config import parse_model_config
+from worker.quant.scheme import QuantScheme
 from worker.tp.layout import plan_layout
 
 TP_MODELS = {
@@ -204,9 +205,7 @@ def test_a_split_that_cuts_a_quantization_group_is_refused_naming_the_tensor(qua
     from worker.tp.sharded_model import ModelShard
 
     path = quantized(spec, LLAMA).path
-    said = (
-        r"tensor model\.layers\.0\.self_attn\.o_proj\.\w+: .*cut at 32, inside a quantization group size 64"
-    )
+    said = r"tensor model\.layers\.0\.self_attn\.o_proj\.\w+: .*cut at 32, inside a quantization group of 64"
     with pytest.raises(WorkerConfigError, match=said):
         Worker(config_for(str(path)), shard=ModelShard(0, 2, group=None))
 
@@ -324,3 +323,34 @@ def test_a_quantized_lm_head_is_refused_with_the_reason(quantized, tmp_path):
     config_path.write_text(json.dumps(config))
     with pytest.raises(WorkerConfigError, match="does not shard a quantized lm_head yet"):
         Worker(tp_rank_main.config_for(str(tmp_path / "model")), shard=ModelShard(0, 2, group=None))
+
+
+@pytest.mark.parametrize(
+    ("scheme", "split", "said"),
+    [  # (N, K) = (24, 64) layer "x"; the rank's share of one axis
+        (QuantScheme("awq", "awq-gemm", 4, 32, False), ("n", 0, 12),
+         r"x\.qweight: .* cut at 12, inside an int32 word of 8 packed values"),
+        (QuantScheme("awq", "awq-gemm", 4, 32, False), ("k", 16, 48),
+         r"x\.scales: .* cut at 16, inside a quantization group of 32 input features"),
+        (QuantScheme("gptq", "gptq", 4, 16, True), ("k", 4, 36),
+         r"x\.qweight: .* cut at 4, inside an int32 word of 8 packed values"),
+        (QuantScheme("compressed-tensors", "pack-quantized", 8, 0, False), ("n", 0, 10),
+         r"x\.weight_zero_point: .* output features \[0, 10\) of 24 cut at 10, inside an int32 word of 4"),
+    ],
+)  # fmt: skip
+def test_the_slicer_refuses_a_cut_word_or_group_naming_the_tensor(scheme, split, said):
+    from worker.tp.quant_shard import QuantSlicer
+
+    with pytest.raises(WorkerConfigError, match=said):
+        QuantSlicer(scheme, {"x": (24, 64)}, {"x": split}, 2)
+
+
+def test_the_slicer_replicates_per_channel_scales_across_a_row_split():
+    from worker.tp.quant_shard import QuantSlicer
+
+    scheme = QuantScheme("compressed-tensors", "pack-quantized", 4, 0, False)
+    slicer = QuantSlicer(scheme, {"x": (24, 64)}, {"x": ("k", 32, 64)}, 2)
+    assert slicer.slices["x.weight_packed"] == (slice(None), slice(4, 8))  # 8 codes per int32
+    assert slicer.slices["x.weight_scale"] == (slice(None), slice(None))  # [24, 1]: every rank
+    assert slicer.slices["x.weight_zero_point"] == (slice(None), slice(None))
+    assert slicer.local_nk["x"] == (24, 32)

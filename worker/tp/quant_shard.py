@@ -110,15 +110,15 @@ class QuantSlicer:
         features = "output" if axis == "n" else "input"
         where = a if a % step else b
         if unit == "group":
-            what = f"quantization group size {step}"
+            what = f"a quantization group of {step} {features} features"
             fix = f"its {features} features split only at multiples of the group size {step}"
         else:
-            what = f"{step} values packed per stored element"
+            what = f"an int32 word of {step} packed values"
             fix = f"its {features} features split only at multiples of {step}"
         return (
             f"--tensor-parallel-size {size} cannot shard {self.scheme.describe()} tensor {tensor}: the "
-            f"rank's {features} features [{a}, {b}) of {total} cut at {where}, inside a {what}; {fix} "
-            "(use a smaller tensor-parallel size)"
+            f"rank's {features} features [{a}, {b}) of {total} cut at {where}, inside {what}; {fix} "
+            "(use a tensor-parallel size that does)"
         )
 
     def read(self, tensor: str, part) -> Tensor:
