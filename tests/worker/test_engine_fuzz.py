@@ -209,14 +209,22 @@ def run_workload(
     in_flight: int,
     max_steps: int = 2000,
     spec: str = "",
+    worker=None,
     **worker_settings,
 ) -> RunResult:
     """`in_flight`: plans executed before the oldest result is applied (1 = the strict loop);
     `spec`: "ngram" or "draft" speculative decoding on (the draft: `worker_settings` name it);
+    `worker`: one built by the caller with this block size, pool and MAX_MODEL_LEN (rank 0 of a
+    tensor-parallel group: tests/worker/tp_engine_jobs.py), else one is made here;
     `worker_settings`: more WorkerConfig fields (e.g. a quantized kv_cache_dtype)."""
-    worker = make_worker(
-        path, block_size=wl.block_size, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN, **worker_settings
-    )
+    if worker is None:
+        worker = make_worker(
+            path,
+            block_size=wl.block_size,
+            num_blocks=num_blocks,
+            max_model_len=MAX_MODEL_LEN,
+            **worker_settings,
+        )
     execute = worker.execute
 
     def execute_and_check_table(plan):

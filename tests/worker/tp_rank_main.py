@@ -81,5 +81,5 @@ def main(rank: int, size: int, init: str, out: str, kernels: str, model_dirs: li
 
 
 if __name__ == "__main__":
-    r, n, init, out, kernels, *models = sys.argv[1:]
+    r, n, init, out, kernels, *models = sys.argv[1:]  # tests/worker/tp_launch.py's order
     sys.exit(main(int(r), int(n), init, out, kernels, models))

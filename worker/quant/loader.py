@@ -5,7 +5,7 @@ before anything is unpacked), and their QuantizedWeights. Everything else in the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -29,10 +29,16 @@ def quantized_linears(model: nn.Module, scheme: QuantScheme) -> dict[str, tuple[
 
 
 def load_quantized(
-    model_dir: str | Path, scheme: QuantScheme, linears: Mapping[str, tuple[int, int]]
+    model_dir: str | Path,
+    scheme: QuantScheme,
+    linears: Mapping[str, tuple[int, int]],
+    read: Callable[[str, object], torch.Tensor] | None = None,
 ) -> dict[str, QuantizedWeight]:
     """Every quantized layer's weight, decoded. ModelLoadError names the first tensor that is
-    missing, misshapen or of the wrong dtype, before the model is built."""
+    missing, misshapen or of the wrong dtype, before the model is built. `read(name, slice)`
+    takes a tensor's safetensors slice handle and returns the part to decode (a tensor-parallel
+    rank's slice, worker/tp/quant_shard.py; `linears` are then the rank's local shapes);
+    default: the whole tensor."""
     located = locate_tensors(model_dir)
     plans = {name: expected_tensors(scheme, name, n, k) for name, (n, k) in linears.items()}
     missing = [t for spec in plans.values() for t in spec if t not in located]
@@ -53,7 +59,12 @@ def load_quantized(
                 path = located[tensor_name]
                 if path not in handles:
                     handles[path] = safe_open(str(path), framework="pt", device="cpu")
-                tensor = handles[path].get_tensor(tensor_name)
+                handle = handles[path]
+                tensor = (
+                    handle.get_tensor(tensor_name)
+                    if read is None
+                    else read(tensor_name, handle.get_slice(tensor_name))
+                )
                 _check(tensor_name, tensor, shape, dtypes)
                 tensors[tensor_name] = tensor
             weight = decode(scheme, name, tensors, n, k)

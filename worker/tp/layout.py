@@ -72,11 +72,6 @@ def plan_layout(config: ModelConfig, rank: int, size: int) -> TPLayout:
         raise WorkerConfigError(
             f"--tensor-parallel-size {size} does not divide the MLP's intermediate size {inner}"
         )
-    if config.quantization is not None:
-        raise WorkerConfigError(
-            "tensor parallelism serves unquantized checkpoints only for now (fp32 / bf16 / fp16): "
-            "sharding AWQ / GPTQ along their groups is not implemented"
-        )
     if config.multimodal is not None:
         raise WorkerConfigError("tensor parallelism does not serve vision-language models yet")
     return TPLayout(

@@ -30,11 +30,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from worker.errors import ModelLoadError
+from worker.errors import ModelLoadError, WorkerConfigError
 from worker.model import CausalLM
 from worker.model_config import ModelConfig
+from worker.quant.loader import load_quantized, quantized_linears
 from worker.rotary import RotaryEmbedding
 from worker.tp.layout import TPLayout
+from worker.tp.quant_shard import QuantSlicer
 from worker.weights import locate_tensors
 
 
@@ -171,6 +173,30 @@ def load_slices(
     return tensors
 
 
+def load_quantized_slices(
+    model_dir: Path, config: ModelConfig, layout: TPLayout, full_model: CausalLM, model: CausalLM
+) -> dict:
+    """module name -> the rank's QuantizedWeight of every quantized linear layer, each split
+    like its dense twin (_slice_of); a split that cuts a group or packed word is refused before
+    any tensor is read (worker/tp/quant_shard.py)."""
+    scheme = config.quantization
+    full = quantized_linears(full_model, scheme)
+    if "lm_head" in full:
+        raise WorkerConfigError(
+            f"tensor parallelism does not shard a quantized lm_head yet ({scheme.describe()} with "
+            "lm_head quantized): serve it with one worker"
+        )
+    splits = {}
+    for name in full:
+        where = _slice_of(f"{name}.weight", config, layout)
+        splits[name] = None if where is None else ("nk"[where[0]], where[1], where[2])
+    slicer = QuantSlicer(scheme, full, splits, layout.size)
+    local = quantized_linears(model, scheme)
+    if local != slicer.local_nk:  # the layout and the slicer disagree: a bug, not the checkpoint
+        raise AssertionError(f"quantized layer shapes: model {local} vs slices {slicer.local_nk}")
+    return load_quantized(model_dir, scheme, local, read=slicer.read)
+
+
 def load_sharded(
     model_dir: Path,
     config: ModelConfig,
@@ -182,10 +208,18 @@ def load_sharded(
     """This rank's model: built on the meta device for its local geometry, filled from its
     slices of the checkpoint, the row-parallel and vocab-parallel modules swapped in."""
     with torch.device("meta"):
-        full_shapes = CausalLM(config).expected_tensor_shapes()
+        full_model = CausalLM(config)
+        full_shapes = full_model.expected_tensor_shapes()
         model = ShardedCausalLM(local_config(config, layout))
+    if config.quantization is not None:  # the rank's codes / scales / zeros, sliced along groups
+        model.quantized = load_quantized_slices(model_dir, config, layout, full_model, model)
+        for name in model.quantized:
+            del full_shapes[f"{name}.weight"]
     tensors = load_slices(model_dir, full_shapes, config, layout, dtype, device)
-    model.load_state_dict(tensors, strict=True, assign=True)
+    unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    missing = set(unexpected.missing_keys) - {f"{name}.weight" for name in model.quantized}
+    if missing or unexpected.unexpected_keys:  # loading's own bug, never the checkpoint's
+        raise AssertionError(f"rank state mismatch: {sorted(missing)} {unexpected.unexpected_keys}")
     model.group, model.full_vocab = group, config.vocab_size
     stack = model.model
     stack.embed_tokens = VocabParallelEmbedding(stack.embed_tokens.weight, layout.vocab_rows[0], group)
@@ -212,6 +246,12 @@ class ModelShard:
         from worker.tp.layout import plan_layout
 
         self.layout = plan_layout(config, self.rank, self.size)
+        if Path(model_dir).suffix.lower() == ".gguf":  # its blocks are not sliced yet
+            raise WorkerConfigError(
+                f"tensor parallelism does not shard GGUF files yet ({Path(model_dir).name}): serve it with "
+                "one worker, or a safetensors checkpoint (dense, AWQ, GPTQ or compressed-tensors) with "
+                "--tensor-parallel-size"
+            )
         return load_sharded(model_dir, config, self.layout, self.group, dtype, device)
 
     @property
