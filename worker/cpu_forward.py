@@ -204,6 +204,7 @@ class FastCpuForward:
         self.scale = config.head_dim**-0.5
         self.windows = config.layer_windows  # per layer, 0 = full attention; () = none windowed
         self._stack: DecoderStack | None = None
+        self._logits = torch.empty(0)  # compute_logits(reuse=True)'s buffer, grown never shrunk
 
     @property
     def resident_weight_bytes(self) -> int:
@@ -225,8 +226,17 @@ class FastCpuForward:
                              self.hidden, torch.get_num_threads())  # fmt: skip
         return out
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: Tensor, reuse: bool = False) -> Tensor:
+        """fp32 logits [rows, vocab]. reuse: into this forward's one logits buffer, valid until
+        the next reuse call (the step's sampled rows: a new [rows, vocab] tensor of a 150k
+        vocabulary is a fresh mmap each step, and its page faults were a third of the LM head's
+        time at batch 64: docs/PERF.md)."""
+        if not reuse:
+            return self.lm_head(hidden)
+        rows, vocab = hidden.shape[0], self.lm_head.out_features
+        if self._logits.numel() < rows * vocab:
+            self._logits = torch.empty(rows * vocab)
+        return self.lm_head(hidden, out=self._logits[: rows * vocab].view(rows, vocab))
 
     def lse_topk(self, x: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
         """worker.sampler.LseTopk: each row's logsumexp and its k largest logits' ids and

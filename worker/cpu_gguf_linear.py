@@ -59,10 +59,10 @@ class GgufLinear:
     def parts_ptr(self) -> int:
         return ctypes.addressof(self.parts)
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         x = x.contiguous()
         rows = x.shape[0]
-        y = x.new_empty(rows, self.out_features)
+        y = x.new_empty(rows, self.out_features) if out is None else out
         bias = None if self.bias is None else self.bias.data_ptr()
         status = self.ops.gg_linear(
             y.data_ptr(), self.out_features, x.data_ptr(), self.in_features, self.parts_ptr, len(self.types),

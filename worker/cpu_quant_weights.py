@@ -71,10 +71,10 @@ class QuantLinear:
         self.scale_code = dtype_code(self.scales.dtype)
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         x = x.contiguous()
         rows = x.shape[0]
-        y = x.new_empty(rows, self.out_features)
+        y = x.new_empty(rows, self.out_features) if out is None else out
         bias = None if self.bias is None else self.bias.data_ptr()
         status = self.ops.pq_linear(
             self.bits, y.data_ptr(), self.out_features, x.data_ptr(), self.in_features, self.codes.data_ptr(),

@@ -66,12 +66,14 @@ class PanelLinear:
         self.code = dtype_code(dtype)
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """y = x W^T + b, fp32 [rows, out_features]; `out`: a contiguous buffer of that shape to
+        write instead of a new tensor."""
         if self.k_pad != self.in_features:  # odd K in bf16: x gets the panels' zero column too
             x = torch.nn.functional.pad(x, (0, self.k_pad - self.in_features))
         x = x.contiguous()
         rows, bias = x.shape[0], None if self.bias is None else self.bias.data_ptr()
-        y = x.new_empty(rows, self.out_features)
+        y = x.new_empty(rows, self.out_features) if out is None else out
         status = self.ops.pk_linear(
             self.code, y.data_ptr(), self.out_features, x.data_ptr(), self.k_pad, self.panels.data_ptr(),
             bias, rows, self.out_features, self.k_pad, self.k_pad, torch.get_num_threads(),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -166,13 +167,17 @@ class Worker:
         return self._info
 
     def execute(self, plan: Plan) -> StepResult:
-        result, _ = self.execute_with_logits(plan)
+        result, _ = self._execute(plan, keep_logits=False)
         return result
 
     def execute_with_logits(self, plan: Plan) -> tuple[StepResult, Tensor]:
         """`execute`, also returning the fp32 logits [sampling rows, vocab] the tokens were
         sampled from (row i belongs to result.outputs[i] unless the plan has a speculative
-        verify, which has 1 + k rows); for tests and backend comparisons."""
+        verify, which has 1 + k rows); for tests and backend comparisons. The logits are the
+        caller's to keep (`execute` samples from a buffer the next step overwrites)."""
+        return self._execute(plan, keep_logits=True)
+
+    def _execute(self, plan: Plan, keep_logits: bool) -> tuple[StepResult, Tensor]:
         validate_plan(plan, self.mirrors, self.limits, self.kv_cache.num_free_rows)
         check_plan_images(plan, self.model_config.multimodal)
         self.lora.prepare(plan)
@@ -194,7 +199,7 @@ class Worker:
             if graphed and self.decode_graphs.accepts(work.scheduled):
                 logits = self.model.compute_logits(self.decode_graphs.forward(work.scheduled))
             else:
-                logits, prompt_out = self._forward(work)
+                logits, prompt_out = self._forward(work, keep_logits)
             grammars = [row.grammar for row in work.rows if row.grammar is not None]
             bitmask = self.grammars.fill(grammars) if grammars else None
             samples = self.sampler.sample(logits, work.rows, bitmask)
@@ -224,9 +229,11 @@ class Worker:
         elapsed = time.perf_counter() - started
         return StepResult(plan.step_id, outputs, elapsed, prompt_out), logits
 
-    def _forward(self, work) -> tuple[Tensor, list]:
+    def _forward(self, work, keep_logits: bool = True) -> tuple[Tensor, list]:
         """Logits of the sampling rows, and the prompt logprobs the step asks for: one forward
-        that keeps the hidden states of both kinds of rows (the last layer runs only them)."""
+        that keeps the hidden states of both kinds of rows (the last layer runs only them).
+        keep_logits False: the fast forward writes the sampling rows' logits into its reused
+        buffer (prompt logprobs, computed while those are alive, always get new tensors)."""
         inputs = build_model_inputs(
             work.scheduled, self.kv_cache.addressing_block_size, self.device, table=self.persistent_table
         )
@@ -235,8 +242,11 @@ class Worker:
         rows = sorted(set(sample_rows) | set(extra)) if extra else sample_rows
         with self.lora.step(work.mirrors, [len(s.token_ids) for s in work.scheduled]) as lora:
             hidden, compute_logits = self._hidden(work, inputs, rows, lora)
+        sample_logits = compute_logits
+        if not keep_logits and self.fast_forward is not None:
+            sample_logits = partial(self.fast_forward.compute_logits, reuse=True)
         if not extra:
-            return compute_logits(hidden), []
+            return sample_logits(hidden), []
         where = {row: i for i, row in enumerate(rows)}
 
         def pick(flat_rows: list[int]) -> Tensor:
@@ -244,7 +254,7 @@ class Worker:
                 torch.tensor([where[r] for r in flat_rows], dtype=torch.int64, device=hidden.device)
             ]
 
-        return compute_logits(pick(sample_rows)), compute_prompt_logprobs(pick, compute_logits, work.prompt)
+        return sample_logits(pick(sample_rows)), compute_prompt_logprobs(pick, compute_logits, work.prompt)
 
     def _hidden(self, work, inputs, rows: list[int], lora) -> tuple[Tensor, object]:
         """The final-norm hidden states of `rows`, and the logits function that takes them."""

@@ -46,7 +46,8 @@ class ShardedCpuForward(FastCpuForward):
         self.group.all_reduce(x)
         return x
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
+    def compute_logits(self, hidden: Tensor, reuse: bool = False) -> Tensor:
+        """The whole vocabulary's logits (the gather makes a new tensor: `reuse` changes nothing)."""
         return self.group.all_gather_last(self.lm_head(hidden))[:, : self.full_vocab].contiguous()
 
     def __call__(self, inputs: ModelInputs, kv_cache, rows: list[int] | None = None, lora=None) -> Tensor:
