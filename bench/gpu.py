@@ -16,7 +16,7 @@ so that a short budget truncates it rather than dropping a section):
    rows through the decode kernel, prompts through the prefill kernel) vs num_decode_seqs=0
    (everything through the prefill kernel);
 5. steps: a worker's decode step, CUDA graph vs eager, for the embedded default model and
-   random:qwen2.5-0.5b, batch 1 and 32: wall ms per worker.execute (tokens come back to the
+   random:qwen2.5-0.5b, batch 1, 8 and 64: wall ms per worker.execute (tokens come back to the
    host, so each step is complete when it returns);
 6. decode: backend.paged_attention with max_query_len=1, fp16, 32 query heads, head_dim 128,
    block 16, GQA groups 4/8/1 (8/4/32 KV heads) x contexts 1k-32k x batches 1/8/64: K/V bytes

@@ -12,7 +12,7 @@ from base.plan import ContinuingSequence, NewSequence, Plan, SamplingParams
 from bench.gpu_timing import Budget, release
 
 STEP_MODELS = (None, "random:qwen2.5-0.5b")  # None: the embedded default model
-STEP_BATCHES = (1, 32)
+STEP_BATCHES = (1, 8, 64)  # the batches issue 37 names for graph vs eager
 STEP_PROMPT, STEP_WARMUP, STEP_TIMED = 128, 5, 40
 GREEDY = SamplingParams(temperature=0.0)
 
