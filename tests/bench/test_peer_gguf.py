@@ -4,6 +4,8 @@ goals, on hand-made driver results (no llama.cpp build, no worker)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.peer import report, report_gguf
@@ -61,8 +63,9 @@ def test_comparison_ratios_limits_and_goals():
     assert fast["missed"] == ["resident"]  # 98.9 % of the limit; twice the file's bytes
 
 
-def test_markdown_carries_the_gguf_table():
-    text = report.markdown(gguf_summary(resident=TENSOR_BYTES, gap_s=0.02))
+def test_markdown_carries_the_gguf_table(tmp_path):
+    summary = gguf_summary(resident=TENSOR_BYTES, gap_s=0.02)
+    text = report.markdown(summary)
     assert "### pagedkv and llama.cpp on the same GGUF files (issue 39)" in text
     assert (
         "| Q4_0 | 2560.0 / 2000.0 (1.28) | 20.00 / 16.00 (0.80) | 87 % / 108 % | 128.0 / 100.0 (1.28) "
@@ -70,6 +73,8 @@ def test_markdown_carries_the_gguf_table():
     )
     assert "| Q8_0 |" not in text.split("(issue 39)")[1]  # one engine only: not compared
     assert "| Q4_0/llama.cpp/decode | 0.80 |" in text  # the generic same-dtype ratios list it too
+    (tmp_path / "peer-2026-11-27-abc.json").write_text(json.dumps(summary))  # `make bench`'s section
+    assert "| Q4_0 | 2560.0 / 2000.0 (1.28) |" in "\n".join(report.report_section(tmp_path))
 
 
 def test_plan_puts_pagedkv_beside_llamacpp_on_each_gguf(monkeypatch):
