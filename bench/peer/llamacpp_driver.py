@@ -228,4 +228,8 @@ def version(llama_dir: Path) -> str:
     except (OSError, RuntimeError):
         return f"{source} sdist"
     found = re.search(r"version:\s*(\S+)", text)
-    return f"{source} sdist, llama.cpp {found[1]}" if found else f"{source} sdist"
+    out = f"{source} sdist, llama.cpp {found[1]}" if found else f"{source} sdist"
+    cache = llama_dir / "build" / "CMakeCache.txt"
+    if cache.is_file() and "-U__AMX_INT8__" in cache.read_text(errors="replace"):
+        out += ", -march=native without its AMX backend (bench/peer/llamacpp_build.sh says why)"
+    return out
