@@ -33,6 +33,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -186,7 +187,8 @@ def ceilings(args: argparse.Namespace, ctx: Context, best_of: dict | None = None
 
 def run_rounds(args: argparse.Namespace, units: list[Unit], ctx: Context) -> tuple[dict, list, list]:
     """Every unit once per round, the order reversed every other round; the read bandwidth
-    before the first round and after each."""
+    before the first round and after each. A unit that fails (its engine crashed or timed out)
+    costs only its own round: the run entry keeps the error's last lines, the report lists it."""
     results: dict = {unit: [] for unit in units}
     runs, bandwidth = [], [read_bandwidth_gbs()]
     for r in range(args.rounds):
@@ -195,10 +197,16 @@ def run_rounds(args: argparse.Namespace, units: list[Unit], ctx: Context) -> tup
             print(
                 f"[bench-peer] round {r + 1}/{args.rounds}: {unit.key} (load {load[0]:.2f})", file=sys.stderr
             )
-            results[unit].append(run_unit(unit, ctx))
+            error = None
+            try:
+                results[unit].append(run_unit(unit, ctx))
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                error = " ".join(str(exc).split())[-600:]
+                print(f"[bench-peer] {unit.key} failed: {error}", file=sys.stderr)
             seconds = time.perf_counter() - t0
             runs.append({"round": r + 1, "engine": unit.engine, "mode": unit.mode, "dtype": unit.dtype,
-                         "part": unit.part, "loadavg": load, "seconds": seconds})  # fmt: skip
+                         "part": unit.part, "loadavg": load, "seconds": seconds,
+                         **({"error": error} if error else {})})  # fmt: skip
         bandwidth.append(read_bandwidth_gbs())
         print(f"[bench-peer] read bandwidth {bandwidth[-1]:.1f} GB/s", file=sys.stderr)
     return results, runs, bandwidth

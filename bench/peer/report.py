@@ -198,6 +198,11 @@ def markdown(summary: dict) -> str:
         load = ", ".join(f"{x:.2f}" for x in run["loadavg"])
         lines.append(f"| {run['round']} | {run.get('part', 'workloads')} | {run.get('dtype', 'float32')} | "
                      f"{run['engine']} | {run['mode']} | {load} | {run['seconds']:.0f} |")  # fmt: skip
+    failed = [run for run in summary["runs"] if run.get("error")]
+    if failed:
+        lines += ["", "Failed units (no figures from that round):", ""]
+        lines += [f"- round {run['round']}, {run.get('part', 'workloads')}/{run.get('dtype', 'float32')}/"
+                  f"{run['engine']}/{run['mode']}: {run['error']}" for run in failed]  # fmt: skip
     lines += ["", "![ratios](peer.png)", ""] if all_ratios(summary) else [""]
     return "\n".join(lines)
 

@@ -93,3 +93,35 @@ def test_plan_puts_pagedkv_beside_llamacpp_on_each_gguf(monkeypatch):
     monkeypatch.setattr("sys.argv", ["bench.peer", "--shipped-ggufs", "nonesuch"])
     with pytest.raises(SystemExit):
         parse_args()
+
+
+def test_a_failing_unit_costs_only_its_round(monkeypatch):
+    """An engine that crashes (llama-bench's SIGILL) leaves the other units' figures and is
+    listed in the report with its error."""
+    from bench.peer import __main__ as peer
+
+    monkeypatch.setattr("sys.argv", ["bench.peer", "--parts", "figures", "--engines", "llamacpp,pagedkv",
+                                     "--dtype", "bfloat16", "--pagedkv-quants", "", "--quants", "Q4_0",
+                                     "--shipped-ggufs", "", "--rounds", "2"])  # fmt: skip
+    args = parse_args()
+    units = plan_units(args)
+
+    def run_unit(unit, ctx):
+        if unit.key == "figures/Q4_0/llamacpp/Q4_0":
+            raise RuntimeError("llama-bench failed (-4):\nIllegal instruction")
+        return {"unit": unit.key}
+
+    monkeypatch.setattr(peer, "run_unit", run_unit)
+    monkeypatch.setattr(peer, "read_bandwidth_gbs", lambda: 20.0)
+    results, runs, bandwidth = peer.run_rounds(args, units, ctx=None)
+    assert bandwidth == [20.0, 20.0, 20.0] and len(runs) == 2 * len(units)
+    assert {u.key: len(r) for u, r in results.items()}["figures/Q4_0/llamacpp/Q4_0"] == 0
+    assert all(len(r) == 2 for u, r in results.items() if u.engine == "pagedkv")
+    failed = [run for run in runs if "error" in run]
+    assert [run["round"] for run in failed] == [1, 2]
+    assert failed[0]["error"] == "llama-bench failed (-4): Illegal instruction"
+    summary = gguf_summary(resident=TENSOR_BYTES, gap_s=0.02)
+    summary["runs"] = runs
+    assert "- round 2, figures/Q4_0/llamacpp/Q4_0: llama-bench failed (-4): Illegal instruction" in (
+        report.markdown(summary)
+    )
