@@ -75,8 +75,8 @@ def section(summary: dict) -> list[str]:
     lines = [
         "### pagedkv and llama.cpp on the same GGUF files (issue 39)",
         "",
-        "pagedkv serves each file as it is (`--model FILE.gguf`, bfloat16 activations and KV, the fast "
-        "CPU forward); llama.cpp's tools run the same file. Each cell: pagedkv / llama.cpp (ratio, > 1: "
+        "pagedkv serves each file as it is (`--model FILE.gguf --dtype bfloat16 --cpu-kernels fast`); "
+        "llama.cpp's tools run the same file. Each cell: pagedkv / llama.cpp (ratio, > 1: "
         "pagedkv better). Decode % of limit: the file's bytes read per token at the measured read "
         "bandwidth. Resident: pagedkv's weight bytes (ModelInfo) / the file's tensor bytes. Goals: decode "
         f">= {GOALS['decode_limit']:.0%} of the limit, prompt and {streams}-stream >= {GOALS['prompt']}x "
