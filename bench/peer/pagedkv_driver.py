@@ -3,12 +3,16 @@ vllm_driver.py.
 
     python -m bench.peer.pagedkv_driver MODEL_DIR SPEC.json OUT.json MODE [DTYPE]
     MODE: served | inproc; DTYPE (default float32): the worker's --dtype, or a quantized
-    checkpoint's name in bench/quant_writer.py's BENCH_QUANTS (served at bfloat16)
+    checkpoint's name in bench/quant_writer.py's BENCH_QUANTS (served at bfloat16), or for a
+    MODEL that is a .gguf file its GGUF kind (Q4_0, ...; served at bfloat16 on the fast CPU
+    forward, `--cpu-kernels fast`, so a file the fused path cannot run fails the unit)
 
 served: `pagedkv worker` + `pagedkv control` as two processes (bench/process_stack.py), the
 client here: "stream" workloads stream through AsyncClient one request after another; "batch"
 and "concurrent" ones submit every request at once. inproc: "batch" workloads through
-pagedkv.offline.LLM (no gRPC), the counterpart of vLLM's LLM.generate."""
+pagedkv.offline.LLM (no gRPC), the counterpart of vLLM's LLM.generate. A served result also
+holds "model": the worker's resident weight bytes, forward and kernels (ModelInfo), read once
+the stack is up."""
 
 from __future__ import annotations
 
@@ -31,6 +35,10 @@ WORKER_ARGS = ("--kv-cache-memory", "2G", "--max-model-len", "1024")
 async def _served(address: str, spec: dict) -> dict:
     out = {}
     async with AsyncClient(address, timeout=900.0) as client:
+        facts = (await client.model_info()).facts
+        out["model"] = {"weights_bytes": facts.memory.weights_bytes, "forward": facts.forward,
+                        "forward_kernels": facts.forward_kernels,
+                        "quantization": facts.quantization}  # fmt: skip
         for name, work in spec.items():
             prompts, max_tokens = work["prompts"], work["max_tokens"]
             if work["kind"] == "stream":
@@ -45,6 +53,8 @@ async def _served(address: str, spec: dict) -> dict:
 def run_served(model: str, spec: dict, dtype: str) -> dict:
     config = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     extra = ("--lm-head-int8",) if dtype in BENCH_QUANTS and BENCH_QUANTS[dtype][1] else ()
+    if model.endswith(".gguf"):
+        extra, dtype = ("--cpu-kernels", "fast"), "bfloat16"
     dtype = "bfloat16" if dtype in BENCH_QUANTS else dtype
     started = time.perf_counter()
     worker_args = ("--model", model, "--dtype", dtype, *extra, *WORKER_ARGS)

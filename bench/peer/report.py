@@ -10,7 +10,7 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.peer import numerics, report_figures
+from bench.peer import numerics, report_figures, report_gguf
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -183,6 +183,7 @@ def markdown(summary: dict) -> str:
         "",
         *workload_section(summary),
         *report_figures.section(summary),
+        *report_gguf.section(summary),
         *(numerics.markdown(summary["numerics"]) if "numerics" in summary else []),
         "## Machine",
         "",
@@ -197,6 +198,11 @@ def markdown(summary: dict) -> str:
         load = ", ".join(f"{x:.2f}" for x in run["loadavg"])
         lines.append(f"| {run['round']} | {run.get('part', 'workloads')} | {run.get('dtype', 'float32')} | "
                      f"{run['engine']} | {run['mode']} | {load} | {run['seconds']:.0f} |")  # fmt: skip
+    failed = [run for run in summary["runs"] if run.get("error")]
+    if failed:
+        lines += ["", "Failed units (no figures from that round):", ""]
+        lines += [f"- round {run['round']}, {run.get('part', 'workloads')}/{run.get('dtype', 'float32')}/"
+                  f"{run['engine']}/{run['mode']}: {run['error']}" for run in failed]  # fmt: skip
     lines += ["", "![ratios](peer.png)", ""] if all_ratios(summary) else [""]
     return "\n".join(lines)
 
@@ -235,7 +241,7 @@ def report_section(results_dir: Path = RESULTS) -> list[str]:
             ""
         ]
     if summary.get("engine_figures"):
-        lines += [*report_figures.table(summary), ""]
+        lines += [*report_figures.table(summary), "", *report_gguf.section(summary)]
     agree = [a for case in cases(summary).values() for a in case["agreement"].values()]
     if agree:
         equal, total = sum(a["equal"] for a in agree), sum(a["total"] for a in agree)

@@ -76,11 +76,16 @@ def request_figures(result: dict, prompt_len: int) -> dict:
 
 
 def figure_row(engine: str, dtype: str, rounds: list[dict], spec: dict | None, weight_bytes: int) -> dict:
-    """Medians over rounds of an engine's figures at one dtype (or GGUF type)."""
-    if engine != "llamacpp":
-        rounds = [request_figures(r, len(spec["prompt"]["prompts"][0])) for r in rounds]
+    """Medians over rounds of an engine's figures at one dtype (or GGUF type); a served pagedkv
+    row also says what its worker held: resident weight bytes and the forward that ran."""
     row = {"engine": ENGINE_NAME[engine], "dtype": dtype, "transport": TRANSPORT[engine],
            "weight_bytes_per_token": weight_bytes, "rounds": len(rounds)}  # fmt: skip
+    model = rounds[0].get("model") if rounds else None
+    if model:
+        row["resident_weight_bytes"] = model["weights_bytes"]
+        row["forward"] = f"{model['forward']} {model['forward_kernels']}".strip()
+    if engine != "llamacpp":
+        rounds = [request_figures(r, len(spec["prompt"]["prompts"][0])) for r in rounds]
     for key in ("prompt_tok_s", "decode_ms_per_token", "streams_tok_s"):
         row[key] = statistics.median(r[key] for r in rounds)
         row[f"rounds_{key}"] = [r[key] for r in rounds]

@@ -26,7 +26,7 @@ class Unit:
     """engine: vllm | pagedkv | pagedkv-before | llamacpp; mode: stream | batch (vLLM), served |
     inproc (pagedkv), the GGUF type (llama.cpp); part: "workloads" (issue 14's rows) or
     "figures" (prompt / decode / streams per engine); dtype: float32 | bfloat16 (the GGUF type
-    for llama.cpp)."""
+    for llama.cpp), or for pagedkv a BENCH_QUANTS name or the GGUF kind of the file it serves."""
 
     engine: str
     mode: str
