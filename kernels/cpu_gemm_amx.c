@@ -83,33 +83,29 @@ static void half_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16
     const int64_t a_stride = lda16 * (int64_t)sizeof(uint16_t), b_stride = PANEL_COLS * 2 * sizeof(uint16_t);
     for (int64_t row = row0; row < row_end; row += 32) {
         const uint16_t *a0 = a16 + row * lda16 + k0, *a1 = a0 + 16 * lda16;
+        const int two = m - row > 16; /* a second 16-row half: else 1 x 2 tiles */
         LOAD_TILE(0, row, col);
         LOAD_TILE(1, row, col + 16);
-        if (m - row > 16) {
+        if (two) {
             LOAD_TILE(2, row + 16, col);
             LOAD_TILE(3, row + 16, col + 16);
-            for (int64_t k = 0; k < kc; k += 32) {
-                const uint16_t *bk = b + (k / 2) * PANEL_COLS * 2;
-                _tile_loadd(6, bk, b_stride);
-                _tile_loadd(4, a0 + k, a_stride);
-                _tile_loadd(7, bk + 32, b_stride);
-                _tile_dpbf16ps(0, 4, 6);
+        }
+        for (int64_t k = 0; k < kc; k += 32) {
+            const uint16_t *bk = b + (k / 2) * PANEL_COLS * 2;
+            _tile_loadd(6, bk, b_stride);
+            _tile_loadd(4, a0 + k, a_stride);
+            _tile_loadd(7, bk + 32, b_stride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
                 _tile_loadd(5, a1 + k, a_stride);
-                _tile_dpbf16ps(1, 4, 7);
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
             }
+        }
+        if (two) {
             STORE_TILE(2, row + 16, col);
             STORE_TILE(3, row + 16, col + 16);
-        } else {
-            for (int64_t k = 0; k < kc; k += 32) {
-                const uint16_t *bk = b + (k / 2) * PANEL_COLS * 2;
-                _tile_loadd(6, bk, b_stride);
-                _tile_loadd(4, a0 + k, a_stride);
-                _tile_loadd(7, bk + 32, b_stride);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-            }
         }
         STORE_TILE(0, row, col);
         STORE_TILE(1, row, col + 16);
