@@ -49,42 +49,39 @@ int paged_attention_rows(float *out, const float *query, const void *k_cache, co
     const int64_t group = heads / kv_heads;
     const int tiles_ok = dim <= TILE_MAX_DIM && dim % TILE_ROWS == 0 && group <= TILE_ROWS;
     const int64_t tile_tokens = tiles_ok ? TILE_ROWS / group : 1;
-    /* prefill chunks that AMX tiles take (avx512amx builds): amx[0..num_amx) */
-    int64_t *amx = malloc((size_t)(num_seqs > 0 ? num_seqs : 1) * sizeof(int64_t)), num_amx = 0;
-    if (!amx) return -2;
-    for (int64_t s = 0; s < num_seqs; ++s)
-        if (amx_attention_fits(kv_dtype, dim, (query_start_loc[s + 1] - query_start_loc[s]) * group, seq_lens[s]))
-            amx[num_amx++] = s;
-    if (num_amx) {
+    /* prefill chunks that AMX tiles take (avx512amx builds): tiled[s] */
+    uint8_t *tiled = malloc((size_t)(num_seqs > 0 ? num_seqs : 1));
+    if (!tiled) return -2;
+    int any_tiled = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        tiled[s] = (uint8_t)amx_attention_fits(kv_dtype, dim, (query_start_loc[s + 1] - query_start_loc[s]) * group,
+                                               seq_lens[s]);
+        any_tiled |= tiled[s];
+    }
+    if (any_tiled) {
         const int status = amx_prefill_attention(out, query, k_cache, v_cache, block_tables, table_width, table_rows,
-                                                 seq_lens, query_start_loc, amx, num_amx, heads, kv_heads, dim,
+                                                 seq_lens, query_start_loc, tiled, num_seqs, heads, kv_heads, dim,
                                                  block_size, scale, window, threads);
         if (status) {
-            free(amx);
+            free(tiled);
             return status;
         }
     }
     int64_t count = 0;
-    for (int64_t s = 0, a = 0; s < num_seqs; ++s) {
-        if (a < num_amx && amx[a] == s) {
-            ++a;
-            continue;
-        }
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        if (tiled[s]) continue;
         int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
         count += tiles_ok && 2 * q_len * group >= TILE_ROWS ? kv_heads * ((q_len + tile_tokens - 1) / tile_tokens)
                                                             : q_len;
     }
     WorkItem *items = malloc((size_t)(count > 0 ? count : 1) * sizeof(WorkItem));
     if (!items) {
-        free(amx);
+        free(tiled);
         return -2;
     }
     int64_t next = 0;
-    for (int64_t s = 0, a = 0; s < num_seqs; ++s) {
-        if (a < num_amx && amx[a] == s) {
-            ++a;
-            continue;
-        }
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        if (tiled[s]) continue;
         int64_t begin = query_start_loc[s], q_len = query_start_loc[s + 1] - begin;
         if (tiles_ok && 2 * q_len * group >= TILE_ROWS) {
             for (int64_t t = 0; t < q_len; t += tile_tokens)
@@ -110,6 +107,6 @@ int paged_attention_rows(float *out, const float *query, const void *k_cache, co
                         heads, kv_heads, dim, block_size, scale, window, &qs, kv_dtype);
     }
     free(items);
-    free(amx);
+    free(tiled);
     return 0;
 }

@@ -62,14 +62,14 @@ ATTN_INTERNAL void attend_tile(float *out, const float *query, const void *k_cac
 
 /* Prefill chunks on AMX tiles (cpu_attention_amx.c, avx512amx builds only): fits says whether a
  * sequence qualifies (bf16 pool, dim a multiple of 32 up to 256, at least one full 16-row tile
- * of query rows, context up to AMX_ATTN_MAX_KEYS); amx_prefill_attention runs `seqs`' chunks
- * (indices into the step's sequences), all kv heads. Returns 0, -2 without memory, -1 in a build
+ * of query rows, context up to AMX_ATTN_MAX_KEYS); amx_prefill_attention runs the chunks of
+ * the sequences s with tiled[s] (fits' answers), all kv heads. Returns 0, -2 without memory, -1 in a build
  * without AMX (fits is always 0 there). */
 #define AMX_ATTN_MAX_KEYS 8192
 ATTN_INTERNAL int amx_attention_fits(int kv_dtype, int64_t dim, int64_t q_rows, int64_t ctx);
 ATTN_INTERNAL int amx_prefill_attention(float *out, const float *query, const void *k_cache, const void *v_cache,
                                         const int32_t *block_tables, int64_t table_width, const int32_t *table_rows,
-                                        const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
+                                        const int32_t *seq_lens, const int32_t *query_start_loc, const uint8_t *tiled,
                                         int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
                                         int64_t block_size, float scale, int64_t window, int threads);
 

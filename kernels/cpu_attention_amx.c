@@ -41,7 +41,7 @@
  * K[16 b + j][32 s + 2 r + e] at r * 32 + 2 j + e. vp: [keys32 / 32][dim / 16] tiles, tile
  * (ks, c) holding V[32 ks + 2 r + e][16 c + n] at r * 32 + 2 n + e. */
 typedef struct {
-    int64_t seq, kv_head, begin, q_len, first_pos, kfirst, kbase, keys32;
+    int64_t kv_head, begin, q_len, first_pos, kfirst, kbase, keys32; /* context: first_pos + q_len */
     const int32_t *table;
     uint16_t *kp, *vp;
 } PackedHead;
@@ -51,8 +51,8 @@ typedef struct {
 } RowTile;
 
 static void pack_head(const PackedHead *ph, const uint16_t *k_cache, const uint16_t *v_cache, int64_t kv_heads,
-                      int64_t dim, int64_t block_size, int64_t ctx) {
-    const int64_t pairs = dim / 2, k_steps = dim / 32, col_tiles = dim / 16;
+                      int64_t dim, int64_t block_size) {
+    const int64_t ctx = ph->first_pos + ph->q_len, pairs = dim / 2, k_steps = dim / 32, col_tiles = dim / 16;
     uint32_t *kp = (uint32_t *)ph->kp;
     for (int64_t t = 0; t < ph->keys32; t += 2) {
         const uint16_t *k[2] = {NULL, NULL}, *v[2] = {NULL, NULL};
@@ -226,22 +226,22 @@ int amx_attention_fits(int kv_dtype, int64_t dim, int64_t q_rows, int64_t ctx) {
 
 int amx_prefill_attention(float *out, const float *query, const void *k_cache, const void *v_cache,
                           const int32_t *block_tables, int64_t table_width, const int32_t *table_rows,
-                          const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
+                          const int32_t *seq_lens, const int32_t *query_start_loc, const uint8_t *tiled,
                           int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
                           float scale, int64_t window, int threads) {
     const int64_t group = heads / kv_heads;
-    int64_t num_heads = num_seqs * kv_heads, num_tiles = 0, packed = 0, max_keys = 32;
-    PackedHead *hs = malloc((size_t)(num_heads > 0 ? num_heads : 1) * sizeof(PackedHead));
+    int64_t num_heads = 0, num_tiles = 0, packed = 0, max_keys = 32;
+    PackedHead *hs = malloc((size_t)(num_seqs > 0 ? num_seqs * kv_heads : 1) * sizeof(PackedHead));
     if (!hs) return -2;
-    for (int64_t i = 0; i < num_seqs; ++i) {
-        const int64_t s = seqs[i], begin = query_start_loc[s], q_len = query_start_loc[s + 1] - begin;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        if (!tiled[s]) continue;
+        const int64_t begin = query_start_loc[s], q_len = query_start_loc[s + 1] - begin;
         const int64_t ctx = seq_lens[s], first_pos = ctx - q_len;
         const int64_t kfirst = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
         const int64_t kbase = kfirst / 32 * 32, keys32 = (ctx - kbase + 31) / 32 * 32;
         const int32_t *table = block_tables + (table_rows ? table_rows[s] : s) * table_width;
         for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
-            hs[i * kv_heads + kvh] = (PackedHead){s, kvh, begin, q_len, first_pos, kfirst, kbase, keys32, table,
-                                                  NULL, NULL};
+            hs[num_heads++] = (PackedHead){kvh, begin, q_len, first_pos, kfirst, kbase, keys32, table, NULL, NULL};
         packed += kv_heads * keys32 * dim * 2;
         num_tiles += kv_heads * ((q_len * group + 15) / 16);
         max_keys = keys32 > max_keys ? keys32 : max_keys;
@@ -281,7 +281,7 @@ int amx_prefill_attention(float *out, const float *query, const void *k_cache, c
         b.o = (float *)(b.p + TERMS * 16 * max_keys);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t h = 0; h < num_heads; ++h)
-            pack_head(&hs[h], k_cache, v_cache, kv_heads, dim, block_size, seq_lens[hs[h].seq]);
+            pack_head(&hs[h], k_cache, v_cache, kv_heads, dim, block_size);
         pk_amx_config_tiles();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_tiles; ++i)
@@ -300,11 +300,11 @@ int amx_attention_fits(int kv_dtype, int64_t dim, int64_t q_rows, int64_t ctx) {
 
 int amx_prefill_attention(float *out, const float *query, const void *k_cache, const void *v_cache,
                           const int32_t *block_tables, int64_t table_width, const int32_t *table_rows,
-                          const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
+                          const int32_t *seq_lens, const int32_t *query_start_loc, const uint8_t *tiled,
                           int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
                           float scale, int64_t window, int threads) {
     (void)out, (void)query, (void)k_cache, (void)v_cache, (void)block_tables, (void)table_width, (void)table_rows,
-        (void)seq_lens, (void)query_start_loc, (void)seqs, (void)num_seqs, (void)heads, (void)kv_heads, (void)dim,
+        (void)seq_lens, (void)query_start_loc, (void)tiled, (void)num_seqs, (void)heads, (void)kv_heads, (void)dim,
         (void)block_size, (void)scale, (void)window, (void)threads;
     return -1;
 }
