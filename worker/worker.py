@@ -229,7 +229,7 @@ class Worker:
         elapsed = time.perf_counter() - started
         return StepResult(plan.step_id, outputs, elapsed, prompt_out), logits
 
-    def _forward(self, work, keep_logits: bool = True) -> tuple[Tensor, list]:
+    def _forward(self, work, keep_logits: bool) -> tuple[Tensor, list]:
         """Logits of the sampling rows, and the prompt logprobs the step asks for: one forward
         that keeps the hidden states of both kinds of rows (the last layer runs only them).
         keep_logits False: the fast forward writes the sampling rows' logits into its reused

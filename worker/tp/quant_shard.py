@@ -131,10 +131,11 @@ class QuantSlicer:
         where = self.slices.get(tensor, ())
         if tensor.endswith(".weight_shape"):
             layer = tensor.rsplit(".", 1)[0]
-            whole = tuple(int(v) for v in part[:])
+            stored = part[:]
+            whole = tuple(int(v) for v in stored)
             if whole != self.full[layer]:
                 raise ModelLoadError(f"{tensor} is {whole}, but config.json implies {self.full[layer]}")
-            return torch.tensor(self.local_nk[layer], dtype=part[:].dtype)
+            return torch.tensor(self.local_nk[layer], dtype=stored.dtype)
         value = part[where] if where else part[:]
         if tensor.endswith(".g_idx"):  # the rank's groups number from 0 in its local layer
             value = value - self.g_idx_shift[tensor.rsplit(".", 1)[0]]
