@@ -51,6 +51,7 @@ SOURCES = (
     "cpu_ops.c",
     "cpu_quant.c",
     "cpu_gguf.c",
+    "cpu_gguf_amx.c",
     "cpu_sampling.c",
     "cpu_decoder.c",
     "cpu_attention.c",
@@ -65,6 +66,7 @@ HEADERS = (
     "cpu_attention_decode.h",
     "cpu_lora.h",
     "cpu_gguf.h",
+    "cpu_gguf_blocks.h",
 )
 BASE_OPTIONS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
 # A compiler without an OpenMP runtime (clang without libomp) still builds the kernels, run on one
@@ -91,7 +93,8 @@ _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 _BF16 = ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic")
 VARIANTS = {
     "x86_64": (
-        # AMX tiles for bf16 GEMMs of 4+ rows (cpu_gemm_amx.c); everything else as avx512bf16.
+        # AMX tiles for bf16 GEMMs and GGUF block linears of 4+ rows (cpu_gemm_amx.c,
+        # cpu_gguf_amx.c) and prefill attention; everything else as avx512bf16.
         Variant(
             "avx512amx",
             (*_BF16, "-mamx-tile", "-mamx-bf16", "-mamx-int8"),

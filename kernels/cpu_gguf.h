@@ -17,6 +17,17 @@ typedef struct {
 int64_t gg_row_bytes(int type, int64_t k);
 int gg_linear(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, int64_t nparts,
               const float *bias, int64_t m, int64_t k, int threads);
+/* Rows from which gg_linear runs the AMX tiles (cpu_gguf_amx.c) where the build has them:
+ * decoding a panel of weights to bf16 once pays from 4 activation rows on (2 threads, the 0.5B
+ * linears: tiles / integer path 0.60-0.84x at 2 rows, 1.1-2.2x at 4, 3.8-8x at 16; docs/PERF.md,
+ * GGUF on AMX tiles). */
+#ifndef GG_TILE_MIN_ROWS
+#define GG_TILE_MIN_ROWS 4
+#endif
+/* gg_linear for m rows on the tiles (the caller checked the types and k % 32): 0, -1 when
+ * scratch could not be allocated, -3 in a build without AMX. */
+int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, int64_t nparts,
+                    const float *bias, int64_t m, int64_t n, int64_t k, int threads);
 int gg_dequantize_rows(int type, float *out, const uint8_t *data, const int64_t *ids, int64_t count, int64_t k,
                        int threads);
 

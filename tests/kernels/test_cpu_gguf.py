@@ -8,6 +8,9 @@ variant this CPU runs, against llama.cpp's own numpy reference (gguf.quants):
     block of 32 (xs = absmax / 127, round to nearest even), and the output equals x_used W^T in
     float64 (x_used = xq xs, W dequantized by gguf.quants) up to fp32 accumulation round-off; so
     its error against the exact layer is the activation rounding alone (<= xs / 2 per input);
+  * in the avx512amx variant, TILE_MIN_ROWS+ rows run the AMX tiles instead (cpu_gguf_amx.c): x
+    and W rounded to bf16 (W from gguf.quants' value), fp32 accumulation, so the output equals
+    x_bf16 W_bf16^T in float64 up to fp32 round-off; below that the integer path as above;
   * fused parts of different types (Q4_K_M's Q4_K q|k with a Q6_K v), bias, odd M and N tails.
 """
 
@@ -36,6 +39,7 @@ F16_FIELDS = {
     T.Q5_K: [0, 2],
     T.Q6_K: [208],
 }
+TILE_MIN_ROWS = 4  # kernels/cpu_gguf.h GG_TILE_MIN_ROWS
 FP32_SLACK = 2.0**-18  # fp32 rounding of per-block scale products and of the block-sum accumulation
 
 
@@ -85,6 +89,8 @@ def emulate(x: torch.Tensor, w: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m, n, k", [(1, 67, 512), (5, 19, 256), (7, 130, 768)])
 def test_linear_is_the_int8_activation_math(ops, qtype, m, n, k):
+    if ops.variant == "avx512amx" and m >= TILE_MIN_ROWS:
+        pytest.skip(f"{m} rows run the AMX tiles in this variant (test_tiles_are_the_bf16_math)")
     rng = np.random.default_rng(m * 1000 + n + int(qtype))
     weight = make_weight(qtype, n, k, rng)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
@@ -98,6 +104,36 @@ def test_linear_is_the_int8_activation_math(ops, qtype, m, n, k):
     assert not torch.allclose(want, exact, rtol=0, atol=1e-9)  # the test sees the activation rounding
 
 
+@pytest.fixture
+def amx(all_ops):
+    if "avx512amx" not in all_ops:
+        pytest.skip(f"this CPU or kernel does not run AMX tiles (variants here: {', '.join(all_ops)})")
+    return all_ops["avx512amx"]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m, n, k", [(TILE_MIN_ROWS, 67, 512), (17, 19, 256), (33, 130, 768), (100, 32, 256)])
+def test_tiles_are_the_bf16_math(all_ops, amx, qtype, m, n, k):
+    """Odd row counts (a 16-row tile half empty, a 32-row block with one tile), N tails (a panel
+    of 32 weight rows cut short), an all-zero activation block; the integer path's int8 math
+    would miss the bound (asserted, so the test sees which path ran)."""
+    rng = np.random.default_rng(m * 1000 + n + int(qtype))
+    weight = make_weight(qtype, n, k, rng)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)) * 3
+    x[0, :32] = 0
+    y = GgufLinear(amx, [weight], bias)(x).double() - bias.double()
+    x16 = x.to(torch.bfloat16).double()
+    w16 = torch.from_numpy(oracle(weight)).to(torch.bfloat16).double()
+    want, magnitude = x16 @ w16.T, x16.abs() @ w16.abs().T
+    error = (y - want).abs()
+    assert (error <= FP32_SLACK * magnitude + 1e-6).all(), f"max error {error.max():.3g}"
+    int8_math, _ = emulate(x, oracle(weight))
+    assert not ((int8_math - want).abs() <= FP32_SLACK * magnitude + 1e-6).all()
+    below = GgufLinear(amx, [weight], bias)(x[: TILE_MIN_ROWS - 1]).double() - bias.double()
+    assert torch.allclose(below, int8_math[: TILE_MIN_ROWS - 1], rtol=0, atol=1e-4)  # integer path
+
+
 def test_fused_parts_of_different_types(ops):
     rng = np.random.default_rng(3)
     parts = [
@@ -106,10 +142,11 @@ def test_fused_parts_of_different_types(ops):
         make_weight(T.Q8_0, 5, 512, rng),
     ]
     fused = GgufLinear(ops, parts, None)
-    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
-    y = fused(x)
-    alone = torch.cat([GgufLinear(ops, [p], None)(x) for p in parts], dim=1)
-    assert y.shape == (3, 108) and torch.equal(y, alone)
+    for rows in (3, 37):  # 37: the tiles in the avx512amx variant (panels cross the parts)
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        y = fused(x)
+        alone = torch.cat([GgufLinear(ops, [p], None)(x) for p in parts], dim=1)
+        assert y.shape == (rows, 108) and torch.equal(y, alone)
     assert fused.resident_bytes == sum(p.packed_bytes for p in parts)
 
 
