@@ -50,6 +50,7 @@ SOURCES = (
     "cpu_gemm_amx.c",
     "cpu_ops.c",
     "cpu_quant.c",
+    "cpu_quant_amx.c",
     "cpu_gguf.c",
     "cpu_gguf_amx.c",
     "cpu_sampling.c",

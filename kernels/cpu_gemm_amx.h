@@ -28,4 +28,12 @@
 int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
                     int64_t n, int64_t kp, int64_t k32, int64_t p_begin, int64_t p_end);
 
+/* cpu_quant.c's pq_linear after its activations are int16 codes (xq, xs, xsum per block), on
+ * AMX int8 tiles with the same integer math (cpu_quant_amx.c): 0, -1 when scratch could not be
+ * allocated, -3 where the tiles do not apply (block % 64, a build without AMX-INT8). */
+int pq_linear_tiles(int bits, float *y, int64_t ldc, const int16_t *xq, const float *xs, const int32_t *xsum,
+                    const uint8_t *codes, const void *scales, int scale_dtype, const uint8_t *zeros,
+                    const float *bias, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block,
+                    int threads);
+
 #endif

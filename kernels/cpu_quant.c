@@ -29,6 +29,7 @@
 #include <omp.h>
 #endif
 
+#include "cpu_gemm_amx.h"
 #include "cpu_simd.h"
 
 #define QNR 64 /* columns per panel */
@@ -36,6 +37,13 @@
 #define QMR 6
 #else
 #define QMR 2
+#endif
+
+/* Rows from which the AMX build runs the int8 tiles on the same int16 codes (cpu_quant_amx.c):
+ * 2 threads, the 0.5B linears, group 128: tiles / this path 0.60-0.72x at 4 rows, 1.12x at 8,
+ * 1.4-1.5x at 16, 1.7-1.8x at 64, 2.0x at 256 (docs/PERF.md, quantized weights on AMX tiles). */
+#ifndef PQ_TILE_MIN_ROWS
+#define PQ_TILE_MIN_ROWS 8
 #endif
 
 typedef uint8_t v32b __attribute__((vector_size(32)));
@@ -207,6 +215,14 @@ int pq_linear(int bits, float *y, int64_t ldc, const float *x, int64_t lda, cons
         return -1;
     }
     pq_quantize_rows(xq, xs, xsum, x, lda, m, k, block, threads);
+    if (PK_HAVE_AMX && m >= PQ_TILE_MIN_ROWS) {
+        const int status = pq_linear_tiles(bits, y, ldc, xq, xs, xsum, codes, scales, scale_dtype, zeros, bias, m,
+                                           n, k, group, block, threads);
+        if (status != -3) {
+            free(xq), free(xs), free(xsum);
+            return status;
+        }
+    }
     QGemm g = {bits, scale_dtype, codes, scales, zeros, n, k, k / group, group, block, xq, xs, xsum, y, ldc};
     /* K chunks of whole blocks, 8 KiB-32 KiB of codes per panel: reused from cache by every row tile */
     const int64_t chunk_pairs = (block / 2) * (256 / block > 1 ? 256 / block : 1);

@@ -87,3 +87,27 @@ def test_a_layer_is_within_1e_4_of_the_dequantized_one(ops):
     got = QuantLinear(ops, weight, None)(x).double()
     exact = x.double() @ weight.dequantize(torch.float64).T
     assert (got - exact).abs().max() <= 1e-4 * exact.abs().max()
+
+
+TILE_MIN_ROWS = 8  # kernels/cpu_quant.c PQ_TILE_MIN_ROWS
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k, group", [(70, 128, 64), (130, 256, 128), (40, 384, 128), (64, 192, 32)])
+def test_amx_tiles_are_the_integer_path_bit_for_bit(all_ops, bits, dtype, n, k, group):
+    """The avx512amx variant's int8 tiles (kernels/cpu_quant_amx.c: the int16 codes split into
+    bytes, exact int32 per block, the same fp32 fixup in block order) against the AVX-512 VNNI
+    integer path: equal bits from TILE_MIN_ROWS rows on, odd row counts and N tails included;
+    group 32 (blocks shorter than a 64-k tile step) keeps the integer path there."""
+    if "avx512amx" not in all_ops or "avx512bf16" not in all_ops:
+        pytest.skip(f"needs the avx512amx and avx512bf16 variants (this CPU runs {', '.join(all_ops)})")
+    gen = torch.Generator().manual_seed(n + k + group + bits)
+    weight = random_weight(n, k, bits, group, dtype, gen)
+    bias = torch.randn(n, generator=gen)
+    tiles = QuantLinear(all_ops["avx512amx"], weight, bias)
+    vnni = QuantLinear(all_ops["avx512bf16"], weight, bias)
+    for rows in (TILE_MIN_ROWS, 17, 33):
+        x = torch.randn(rows, k, generator=gen) * 4
+        x[1] = x[1].abs() + 1.0  # one-signed: the zero-point term cancels most of the sum
+        assert torch.equal(tiles(x), vnni(x)), (rows, bits, dtype)
