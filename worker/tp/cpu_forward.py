@@ -48,7 +48,7 @@ class ShardedCpuForward(FastCpuForward):
 
     def compute_logits(self, hidden: Tensor, reuse: bool = False) -> Tensor:
         """The whole vocabulary's logits (the gather makes a new tensor: `reuse` changes nothing)."""
-        return self.group.all_gather_last(self.lm_head(hidden))[:, : self.full_vocab].contiguous()
+        return self.group.all_gather_last(self.lm_head(hidden), self.full_vocab).contiguous()
 
     def __call__(self, inputs: ModelInputs, kv_cache, rows: list[int] | None = None, lora=None) -> Tensor:
         """The final-norm hidden states of `rows` (ascending; default: the sampling rows). `lora`
