@@ -85,17 +85,20 @@ class TPGroup:
         else:
             self._guard("all_reduce", lambda: dist.all_reduce(tensor, group=self.compute))
 
-    def all_gather_last(self, tensor: Tensor, columns: int | None = None) -> Tensor:
-        """Every rank's `tensor` concatenated along the last dim, cut at `columns` (default: all)."""
+    def all_gather_last(self, tensor: Tensor, columns: int | None = None, out: Tensor | None = None):
+        """Every rank's `tensor` concatenated along the last dim, cut at `columns` (default: all),
+        into `out` when given (contiguous, [..., columns])."""
         columns = tensor.shape[-1] * self.size if columns is None else columns
         if self.shm is not None and tensor.dtype == torch.float32:
-            out = []
-            self._guard("all_gather", lambda: out.append(self.shm.all_gather_last(tensor, columns)))
-            return out[0]
+            if out is None:
+                out = torch.empty(*tensor.shape[:-1], columns)
+            self._guard("all_gather", lambda: self.shm.all_gather_last(tensor, out))
+            return out
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         self._guard("all_gather", lambda: dist.all_gather(parts, tensor, group=self.compute))
-        return torch.cat(parts, dim=-1)[..., :columns]
+        whole = torch.cat(parts, dim=-1)[..., :columns]
+        return whole if out is None else out.copy_(whole)
 
     def _guard(self, kind: str, collective) -> None:
         started = time.perf_counter()

@@ -43,8 +43,8 @@ from worker.weights import locate_tensors
 class Collectives(Protocol):
     def all_reduce(self, tensor: Tensor) -> None: ...  # in place, sum over ranks
 
-    # concatenated along the last dim, the first `columns` kept (default: all)
-    def all_gather_last(self, tensor: Tensor, columns: int | None = None) -> Tensor: ...
+    # concatenated along the last dim, the first `columns` kept (default: all), into `out` if given
+    def all_gather_last(self, tensor: Tensor, columns: int | None = None, out: Tensor | None = None): ...
 
 
 def _reduced(x: Tensor, group: Collectives) -> Tensor:

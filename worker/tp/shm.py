@@ -81,17 +81,18 @@ class ShmCollectives:
         )  # fmt: skip
         self._check(status, "all-reduce")
 
-    def all_gather_last(self, tensor: Tensor, columns: int) -> Tensor:
-        """Every rank's `tensor` side by side along the last dim, cut at `columns`."""
-        tensor = tensor.contiguous()
-        part = tensor.shape[-1]
-        out = torch.empty(*tensor.shape[:-1], columns, dtype=torch.float32)
+    def all_gather_last(self, tensor: Tensor, out: Tensor) -> None:
+        """Every rank's `tensor` side by side along the last dim into `out` (fp32, contiguous,
+        [..., columns]: the columns past `columns` are cut off)."""
+        tensor, part, columns = tensor.contiguous(), tensor.shape[-1], out.shape[-1]
+        fits = out.numel() * part == tensor.numel() * columns
+        if not (out.dtype == torch.float32 and out.is_contiguous() and fits):
+            raise ValueError(f"all-gather of {tuple(tensor.shape)} into {tuple(out.shape)} {out.dtype}")
         status = self.ops.pk_shm_all_gather_f32(
             self.address, self.rank, self.size, SLOT_BYTES, tensor.data_ptr(), tensor.numel() // max(1, part),
             part, out.data_ptr(), columns, self.timeout_s, self.check_pids, ctypes.addressof(self._who),
         )  # fmt: skip
         self._check(status, "all-gather")
-        return out
 
     def _check(self, status: int, what: str) -> None:
         if status == 0:
