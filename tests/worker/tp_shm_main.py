@@ -54,8 +54,13 @@ def exact(group: TPGroup, rank: int, size: int) -> dict:
     for rows, part, cut in GATHERS:
         columns = None if cut is None else size * part + cut
         parts = [contribution(part, r, rows * part).view(rows, part) for r in range(size)]
+        expected = torch.cat(parts, dim=-1)[:, :columns]
         got = group.all_gather_last(parts[rank], columns)
-        gathers_ok.append(torch.equal(got, torch.cat(parts, dim=-1)[:, :columns]))
+        into = torch.full_like(expected, float("nan"))  # the forward's reused buffer
+        gathers_ok.append(
+            torch.equal(got, expected) and group.all_gather_last(parts[rank], columns, into) is into
+        )
+        gathers_ok.append(torch.equal(into, expected))
     seen |= {"sums_ok": sums_ok, "gathers_ok": gathers_ok, "mapped_before_close": len(mapped_segments())}
     torch.distributed.barrier()
     group.close()
