@@ -8,7 +8,8 @@ between real rank processes (tests/worker/tp_shm_main.py; gloo does the rendezvo
 - ranks that claim different hosts choose gloo (and say why), and still sum;
 - a rank that dies inside a collective breaks the group at once (its pid is gone: not after the
   step timeout), one that hangs breaks it at the step timeout, named both times;
-- a segment left by a creator that died before unlinking it is swept at the next start.
+- a segment left by a creator that died before unlinking it is swept at the next start;
+- PAGEDKV_TP_TRANSPORT is checked, and `shm` on ranks that cannot share is a start error.
 """
 
 from __future__ import annotations
@@ -105,3 +106,32 @@ def test_a_segment_whose_creator_died_is_swept():
     finally:
         for path in (stale, live):
             path.unlink(missing_ok=True)
+
+
+# -- the choice, in this process (a one-rank "group": `agree` answers for the others) ----------
+def test_a_one_rank_segment_round_trips_and_is_gone_after_close():
+    load_ops()
+    mine, transport = shm.open_transport(0, 1, lambda value: [value], timeout_s=1.0)
+    assert transport == "shm"
+    assert list(shm.SHM_DIR.glob(f"{shm.PREFIX}{os.getpid()}-*")) == []
+    x = torch.arange(5, dtype=torch.float32)
+    mine.all_reduce(x)
+    out = torch.empty(2, 3)
+    mine.all_gather_last(torch.arange(8, dtype=torch.float32).view(2, 4), out)
+    mine.close()
+    assert torch.equal(x, torch.arange(5, dtype=torch.float32))
+    assert torch.equal(out, torch.tensor([[0.0, 1, 2], [4, 5, 6]]))  # the padded column cut
+
+
+def test_the_transport_setting_is_checked(monkeypatch):
+    from worker.errors import WorkerConfigError
+
+    load_ops()  # without kernels the refusal would name them first
+    monkeypatch.setenv(shm.TRANSPORT_ENV, "fast")
+    with pytest.raises(WorkerConfigError, match="expected auto, shm or gloo"):
+        shm.open_transport(0, 1, lambda value: [value], timeout_s=1.0)
+    # forced shm on ranks that cannot share: a start error saying why, not a silent fallback
+    monkeypatch.setenv(shm.TRANSPORT_ENV, "shm")
+    elsewhere = lambda value: [value, ("boot:another-host", *value[1:])]  # noqa: E731
+    with pytest.raises(WorkerConfigError, match="cannot share memory: the ranks run on 2 hosts"):
+        shm.open_transport(0, 2, elsewhere, timeout_s=1.0)
