@@ -46,7 +46,8 @@ def _time(worker, group, steps: int, batches) -> dict:
 
 def _collective_latency(group: TPGroup, hidden: int, repeats: int) -> dict:
     """The all-reduce alone, both ranks ready (no compute to wait for): median microseconds
-    for one decode row and for 64, and the all-gather of one row's logits (vocab 32000)."""
+    for one decode row and for 64 (hidden 896: the 0.5B shape), and the all-gather of the
+    0.5B shape's logits (vocab 151,936) for one row and for 64."""
     figures = {}
     for rows in BATCHES:
         x = torch.ones(rows, hidden)
@@ -56,12 +57,14 @@ def _collective_latency(group: TPGroup, hidden: int, repeats: int) -> dict:
             group.all_reduce(x)
             samples.append(time.perf_counter() - started)
         figures[f"all_reduce_us_{rows}x{hidden}"] = 1e6 * sorted(samples)[repeats // 2]
-    logits, samples = torch.ones(1, 16000), []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        group.all_gather_last(logits)
-        samples.append(time.perf_counter() - started)
-    figures["all_gather_us_1x32000"] = 1e6 * sorted(samples)[repeats // 2]
+    for rows in BATCHES:
+        logits, samples = torch.ones(rows, 151_936 // group.size), []
+        out = torch.empty(rows, logits.shape[1] * group.size)  # reused, as the forward's (no page faults)
+        for _ in range(max(3, repeats // rows)):
+            started = time.perf_counter()
+            group.all_gather_last(logits, out=out)
+            samples.append(time.perf_counter() - started)
+        figures[f"all_gather_us_{rows}x151936"] = 1e6 * sorted(samples)[len(samples) // 2]
     return figures
 
 
@@ -73,7 +76,7 @@ def main(rank: int, size: int, init: str, threads: int, model: str, steps: int, 
         group = TPGroup(rank, size, init, torch.device("cpu"), step_timeout_s=600.0)
         try:
             if model == "collectives":  # no model: the collectives' own cost
-                figures = _collective_latency(group, 512, steps)
+                figures = _collective_latency(group, 896, steps)
             else:
                 worker = rank_worker(_config(model), group)
                 if rank != 0:
@@ -81,6 +84,7 @@ def main(rank: int, size: int, init: str, threads: int, model: str, steps: int, 
                 leader = GroupLeader(worker, group)
                 figures = _time(leader, group, steps, batches)
                 leader.stop()
+            figures["transport"] = group.transport
         finally:
             # Every rank leaves together and tears gloo down before the interpreter does: a rank
             # that exited while its peer was still in a collective died of SIGABRT ("terminate

@@ -57,6 +57,7 @@ SOURCES = (
     "cpu_decoder.c",
     "cpu_attention.c",
     "cpu_lora.c",
+    "cpu_shm.c",
 )
 HEADERS = (
     "cpu_amx.h",
@@ -166,6 +167,7 @@ class CpuKernelBuildError(RuntimeError):
 
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_U64, _F64 = ctypes.c_uint64, ctypes.c_double
 # name -> (restype, argtypes), in the C parameter order.
 SIGNATURES = {
     "rms_norm": (None, (_P, _P, _P, _I64, _I64, _F32, _INT)),
@@ -184,6 +186,12 @@ SIGNATURES = {
     "pk_decoder": (_INT, (_P, _P, _P, _P, _P, _INT)),
     "row_lse_topk": (_INT, (_P, _I64, _I64, _I64, _INT, _P, _P, _P, _INT)),
     "pk_decoder_scratch_bytes": (_I64, (_P, _I64)),
+    # the tensor-parallel group's shared-memory collectives (cpu_shm.c, worker/tp/shm.py)
+    "pk_shm_bytes": (_I64, (_INT, _I64)),
+    "pk_shm_init": (_INT, (_P, _INT, _I64, _U64)),
+    "pk_shm_join": (_INT, (_P, _INT, _INT, _I64, _U64, _I64)),
+    "pk_shm_all_reduce_f32": (_INT, (_P, _INT, _INT, _I64, _P, _I64, _F64, _INT, _P)),
+    "pk_shm_all_gather_f32": (_INT, (_P, _INT, _INT, _I64, _P, _I64, _I64, _P, _I64, _F64, _INT, _P)),
     "paged_attention": (
         _INT,
         (_P,) * 4 + (_INT, _P, _P, _F32, _F32, _P, _I64, _P, _P) + (_I64,) * 5 + (_F32, _I64, _INT),

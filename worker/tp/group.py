@@ -5,7 +5,9 @@ Three process groups over the same ranks, each for one kind of wait:
     commands  rank 0 -> all: what to run next (a plan's bytes, reset, stop). Followers idle
               here between plans for as long as the server idles, so it never times out.
     compute   the forward's all-reduces and the logits' all-gather. A rank that does not
-              arrive within `step_timeout_s` breaks the step (GroupBroken).
+              arrive within `step_timeout_s` breaks the step (GroupBroken). On one host these
+              go through a shared-memory segment instead (worker/tp/shm.py; `transport`
+              says which ran), with the same timeout.
     monitor   after a broken step, a monitored barrier (gloo) that names the ranks that did
               not arrive: "a rank hangs" becomes "rank 1 hangs".
 
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from base.logs import get_logger
+from worker.tp.shm import open_transport
 
 log = get_logger("pagedkv.worker")
 
@@ -67,6 +70,9 @@ class TPGroup:
         self.compute = dist.new_group(backend=backend, timeout=timedelta(seconds=step_timeout_s))
         self.monitor = dist.new_group(backend="gloo", timeout=MONITOR_TIMEOUT)
         self.device = device
+        self.shm, self.transport = None, backend
+        if backend == "gloo":  # "shm", or "gloo (why not shm)"
+            self.shm, self.transport = open_transport(rank, size, self.agree, step_timeout_s)
         self.step = 0  # the plan the group runs (for the messages)
         # Seconds spent in each kind of communication, and how many (bench/tensor_parallel.py).
         self.seconds = {"all_reduce": 0.0, "all_gather": 0.0, "send": 0.0}
@@ -74,13 +80,25 @@ class TPGroup:
 
     # -- the forward's collectives (worker.tp.sharded_model.Collectives) -----------------------
     def all_reduce(self, tensor: Tensor) -> None:
-        self._guard("all_reduce", lambda: dist.all_reduce(tensor, group=self.compute))
+        if self.shm is not None and tensor.dtype == torch.float32 and tensor.is_contiguous():
+            self._guard("all_reduce", lambda: self.shm.all_reduce(tensor))
+        else:
+            self._guard("all_reduce", lambda: dist.all_reduce(tensor, group=self.compute))
 
-    def all_gather_last(self, tensor: Tensor) -> Tensor:
+    def all_gather_last(self, tensor: Tensor, columns: int | None = None, out: Tensor | None = None):
+        """Every rank's `tensor` concatenated along the last dim, cut at `columns` (default: all),
+        into `out` when given (contiguous, [..., columns])."""
+        columns = tensor.shape[-1] * self.size if columns is None else columns
+        if self.shm is not None and tensor.dtype == torch.float32:
+            if out is None:
+                out = torch.empty(*tensor.shape[:-1], columns)
+            self._guard("all_gather", lambda: self.shm.all_gather_last(tensor, out))
+            return out
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         self._guard("all_gather", lambda: dist.all_gather(parts, tensor, group=self.compute))
-        return torch.cat(parts, dim=-1)
+        whole = torch.cat(parts, dim=-1)[..., :columns]
+        return whole if out is None else out.copy_(whole)
 
     def _guard(self, kind: str, collective) -> None:
         started = time.perf_counter()
@@ -152,6 +170,8 @@ class TPGroup:
         return out
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

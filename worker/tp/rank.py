@@ -138,5 +138,6 @@ def rank_worker(config, group: TPGroup):
     seen = group.agree(geometry)
     if any(g != geometry for g in seen):
         raise WorkerConfigError(f"tensor-parallel ranks built different KV pools: {seen}")
-    log.info("worker.tp_rank_ready", rank=group.rank, size=group.size, blocks=geometry[0])
+    ready = dict(rank=group.rank, size=group.size, blocks=geometry[0], transport=group.transport)
+    log.info("worker.tp_rank_ready", **ready)
     return worker

@@ -43,7 +43,8 @@ from worker.weights import locate_tensors
 class Collectives(Protocol):
     def all_reduce(self, tensor: Tensor) -> None: ...  # in place, sum over ranks
 
-    def all_gather_last(self, tensor: Tensor) -> Tensor: ...  # concatenated along the last dim
+    # concatenated along the last dim, the first `columns` kept (default: all), into `out` if given
+    def all_gather_last(self, tensor: Tensor, columns: int | None = None, out: Tensor | None = None): ...
 
 
 def _reduced(x: Tensor, group: Collectives) -> Tensor:
@@ -98,7 +99,7 @@ class ShardedCausalLM(CausalLM):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         local = F.linear(hidden, weight).float()
-        return self.group.all_gather_last(local)[:, : self.full_vocab]
+        return self.group.all_gather_last(local, self.full_vocab)
 
 
 def local_config(config: ModelConfig, layout: TPLayout) -> ModelConfig:
