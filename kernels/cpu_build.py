@@ -69,6 +69,7 @@ HEADERS = (
     "cpu_lora.h",
     "cpu_gguf.h",
     "cpu_gguf_blocks.h",
+    "cpu_quant.h",
 )
 BASE_OPTIONS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
 # A compiler without an OpenMP runtime (clang without libomp) still builds the kernels, run on one

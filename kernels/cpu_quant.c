@@ -30,6 +30,7 @@
 #endif
 
 #include "cpu_gemm_amx.h"
+#include "cpu_quant.h"
 #include "cpu_simd.h"
 
 #define QNR 64 /* columns per panel */
@@ -142,15 +143,7 @@ static ALWAYS_INLINE void qtile_block(const QGemm *g, int mr, int64_t row, int64
             const float xs = g->xs[(row + m) * nblk + b];
             /* exact in int32: |sum (q - z) xq| <= 256 * 32767 * 128 < 2^31 */
             const v16i exact = isum[m][v] - z * g->xsum[(row + m) * nblk + b];
-            const v16 partial = __builtin_convertvector(exact, v16) * (s * xs);
-            float *out = g->y + (row + m) * g->ldc + first_col + 16 * v;
-            if (ncols >= 16 * (v + 1)) {
-                store16(out, load16(out) + partial);
-            } else {
-                float tmp[16];
-                store16(tmp, partial);
-                for (int j = 16 * v; j < ncols; ++j) out[j - 16 * v] += tmp[j - 16 * v];
-            }
+            pq_add_block(g->y + (row + m) * g->ldc + first_col + 16 * v, exact, s, xs, ncols, v);
         }
     }
 }

@@ -26,6 +26,7 @@
 #endif
 
 #include "cpu_gemm_amx.h"
+#include "cpu_quant.h"
 #include "cpu_simd.h"
 
 #if PK_HAVE_AMX && defined(__AMX_INT8__)
@@ -72,7 +73,7 @@ typedef struct {
 } Fixup;
 
 /* y[rows row0.., the 16 columns of group v] += xs s (256 hi + lo - z xsum) for block b: the
- * integer path's qtile_block expressions, so the fp32 results are the same bits. */
+ * integer path's fixup (cpu_quant.h), so the fp32 results are the same bits. */
 static void fixup(const Fixup *f, const int32_t *hi, const int32_t *lo, int64_t p, int v, int64_t row0,
                   int64_t b) {
     const int64_t sz = (p * f->groups + b * f->block / f->group) * QNR, first_col = p * QNR;
@@ -88,15 +89,7 @@ static void fixup(const Fixup *f, const int32_t *hi, const int32_t *lo, int64_t 
         memcpy(&h, hi + 16 * i, 64), memcpy(&l, lo + 16 * i, 64);
         const float xs = f->xs[(row0 + i) * f->nblk + b];
         const v16i exact = ((h << 8) + l) - z * f->xsum[(row0 + i) * f->nblk + b];
-        const v16 partial = __builtin_convertvector(exact, v16) * (s * xs);
-        float *out = f->y + (row0 + i) * f->ldc + first_col + 16 * v;
-        if (ncols >= 16 * (v + 1)) {
-            store16(out, load16(out) + partial);
-        } else {
-            float tmp[16];
-            store16(tmp, partial);
-            for (int j = 16 * v; j < ncols; ++j) out[j - 16 * v] += tmp[j - 16 * v];
-        }
+        pq_add_block(f->y + (row0 + i) * f->ldc + first_col + 16 * v, exact, s, xs, ncols, v);
     }
 }
 

@@ -1,0 +1,23 @@
+/* What the integer path (cpu_quant.c) and the AMX int8 tiles (cpu_quant_amx.c) of the quantized
+ * linears share: the per-block fixup into y. One definition, so both paths round the same fp32
+ * operations in the same order and their outputs are equal bit for bit. */
+#ifndef PAGEDKV_CPU_QUANT_H
+#define PAGEDKV_CPU_QUANT_H
+
+#include "cpu_simd.h"
+
+/* out[0..16) (16 columns of group v of a 64-column panel, ncols of which exist) +=
+ * exact * (s * xs): an activation block's exact int32 sums, scaled by the weight scales s of its
+ * group and the block's activation scale xs. */
+static ALWAYS_INLINE void pq_add_block(float *out, v16i exact, v16 s, float xs, int ncols, int v) {
+    const v16 partial = __builtin_convertvector(exact, v16) * (s * xs);
+    if (ncols >= 16 * (v + 1)) {
+        store16(out, load16(out) + partial);
+    } else {
+        float tmp[16];
+        store16(tmp, partial);
+        for (int j = 16 * v; j < ncols; ++j) out[j - 16 * v] += tmp[j - 16 * v];
+    }
+}
+
+#endif
