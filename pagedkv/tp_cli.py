@@ -128,11 +128,13 @@ def leader_factory(args, config):
 def run_follower(args, config) -> int:
     """Rank R > 0: join the group, load the slices, run what rank 0 sends until it stops."""
     from base.logs import get_logger
+    from pagedkv.processes import frozen_after
     from worker.tp.rank import build_rank, follow
 
     log = get_logger("pagedkv.worker")
     log.info("worker.tp_rank_starting", rank=args.tp_rank, size=args.tp_size, init=args.tp_init)
-    worker, group = build_rank(config, args.tp_rank, args.tp_size, args.tp_init, args.tp_step_timeout)
+    rank = (config, args.tp_rank, args.tp_size, args.tp_init, args.tp_step_timeout)
+    worker, group = frozen_after(lambda: build_rank(*rank))()
     code = follow(worker, group)
     log.info("worker.tp_rank_stopped", rank=args.tp_rank)
     return code
