@@ -13,7 +13,6 @@ Exit status: 0 after a signal, 1 when start-up failed (the reason is logged), 2 
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from base import event_loop
 from base.logs import configure_logging, get_logger
+from pagedkv.heap import frozen_after
 
 
 def _write_ready_file(path: str | None, address: str, metrics=None) -> None:
@@ -91,22 +91,6 @@ def worker_config_from_args(args):
     )
     config.validate()
     return config
-
-
-def frozen_after(factory):
-    """`factory`, then the heap it built frozen out of the cyclic GC (gc.freeze). What a load
-    makes lives as long as the process (modules, the GGUF reader's fields, a 150k-entry
-    vocabulary: ~330k tracked objects for the 0.5B GGUF), and every full collection walked all
-    of it between steps. In process on the Q4_0 0.5B file, batch-1 decode: 26.3-28.8 ms/token
-    without, 24.0-26.3 with (docs/PERF.md)."""
-
-    def build():
-        built = factory()
-        gc.collect()
-        gc.freeze()
-        return built
-
-    return build
 
 
 async def _worker_main(args) -> int:

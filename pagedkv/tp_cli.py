@@ -128,7 +128,7 @@ def leader_factory(args, config):
 def run_follower(args, config) -> int:
     """Rank R > 0: join the group, load the slices, run what rank 0 sends until it stops."""
     from base.logs import get_logger
-    from pagedkv.processes import frozen_after
+    from pagedkv.heap import frozen_after
     from worker.tp.rank import build_rank, follow
 
     log = get_logger("pagedkv.worker")
