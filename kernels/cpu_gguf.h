@@ -26,7 +26,7 @@ int gg_linear(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *
 #endif
 /* gg_linear for m rows on the tiles (the caller checked the types and k % 32): 0, -1 when
  * scratch could not be allocated, -3 in a build without AMX. */
-int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, int64_t nparts,
+int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts,
                     const float *bias, int64_t m, int64_t n, int64_t k, int threads);
 int gg_dequantize_rows(int type, float *out, const uint8_t *data, const int64_t *ids, int64_t count, int64_t k,
                        int threads);

@@ -18,7 +18,7 @@
  * Numerics: x and W enter as bf16 (as the bf16 checkpoints' AMX path does), products exact in
  * fp32, fp32 accumulation. It is not the int8-activation math of the integer path: the tests
  * bound it against x_bf16 W_bf16^T in float64, and the served agreement with the fp32 oracle is
- * measured at its floor (tests/worker/test_gguf_oracle.py).
+ * measured at its floor (tests/worker/test_gguf_fast_path.py).
  */
 #include <stdlib.h>
 #ifdef _OPENMP
@@ -199,9 +199,8 @@ static void panel_times_rows(float *y, int64_t ldc, const uint16_t *wd, const ui
     }
 }
 
-int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, int64_t nparts,
+int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts,
                     const float *bias, int64_t m, int64_t n, int64_t k, int threads) {
-    (void)nparts;
     const int64_t mp = (m + 15) / 16 * 16, panels = (n + PANEL_ROWS - 1) / PANEL_ROWS;
     uint32_t *xp = aligned_alloc(64, (size_t)((k / 2) * mp * (int64_t)sizeof(uint32_t) + 63) / 64 * 64);
     if (!xp) return -1;
@@ -234,9 +233,9 @@ int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const Gg
 }
 
 #else
-int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, int64_t nparts,
+int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts,
                     const float *bias, int64_t m, int64_t n, int64_t k, int threads) {
-    (void)y, (void)ldc, (void)x, (void)lda, (void)parts, (void)nparts, (void)bias, (void)m, (void)n, (void)k,
+    (void)y, (void)ldc, (void)x, (void)lda, (void)parts, (void)bias, (void)m, (void)n, (void)k,
         (void)threads;
     return -3; /* not an AMX build: gg_linear never calls it there */
 }

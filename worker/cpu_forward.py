@@ -152,6 +152,14 @@ def _quantized_unavailable(model: CausalLM) -> str | None:
     return None
 
 
+def reused_rows(buffer: Tensor, rows: int, columns: int) -> tuple[Tensor, Tensor]:
+    """(buffer, a [rows, columns] view of it): fp32 scratch reused across steps, replaced by a
+    larger one when too small, never shrunk."""
+    if buffer.numel() < rows * columns:
+        buffer = torch.empty(rows * columns)
+    return buffer, buffer[: rows * columns].view(rows, columns)
+
+
 class FastCpuForward:
     """Owns the packed weights of a loaded `CausalLM` (the module's own copies are released);
     `__call__` maps one step's inputs to the final-norm hidden rows that sample (in
@@ -233,10 +241,8 @@ class FastCpuForward:
         time at batch 64: docs/PERF.md)."""
         if not reuse:
             return self.lm_head(hidden)
-        rows, vocab = hidden.shape[0], self.lm_head.out_features
-        if self._logits.numel() < rows * vocab:
-            self._logits = torch.empty(rows * vocab)
-        return self.lm_head(hidden, out=self._logits[: rows * vocab].view(rows, vocab))
+        self._logits, out = reused_rows(self._logits, hidden.shape[0], self.lm_head.out_features)
+        return self.lm_head(hidden, out=out)
 
     def lse_topk(self, x: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
         """worker.sampler.LseTopk: each row's logsumexp and its k largest logits' ids and

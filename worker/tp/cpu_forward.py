@@ -21,7 +21,7 @@ from torch import Tensor
 
 from worker.batch import ModelInputs
 from worker.cpu_decoder import _scale_pools, kv_dtype_code
-from worker.cpu_forward import FastCpuForward
+from worker.cpu_forward import FastCpuForward, reused_rows
 from worker.tp.layout import TPLayout
 
 
@@ -53,14 +53,10 @@ class ShardedCpuForward(FastCpuForward):
         FastCpuForward's: fresh [64, 152k] tensors cost ~10 ms of page faults a step)."""
         if not reuse:
             return self.group.all_gather_last(self.lm_head(hidden), self.full_vocab).contiguous()
-        rows, part = hidden.shape[0], self.lm_head.out_features
-        if self._local_logits.numel() < rows * part:
-            self._local_logits = torch.empty(rows * part)
-        if self._logits.numel() < rows * self.full_vocab:
-            self._logits = torch.empty(rows * self.full_vocab)
-        local = self.lm_head(hidden, out=self._local_logits[: rows * part].view(rows, part))
-        out = self._logits[: rows * self.full_vocab].view(rows, self.full_vocab)
-        return self.group.all_gather_last(local, self.full_vocab, out=out)
+        rows = hidden.shape[0]
+        self._local_logits, local = reused_rows(self._local_logits, rows, self.lm_head.out_features)
+        self._logits, out = reused_rows(self._logits, rows, self.full_vocab)
+        return self.group.all_gather_last(self.lm_head(hidden, out=local), self.full_vocab, out=out)
 
     def __call__(self, inputs: ModelInputs, kv_cache, rows: list[int] | None = None, lora=None) -> Tensor:
         """The final-norm hidden states of `rows` (ascending; default: the sampling rows). `lora`
