@@ -186,6 +186,7 @@ SIGNATURES = {
     "gg_row_bytes": (_I64, (_INT, _I64)),
     "pk_decoder": (_INT, (_P, _P, _P, _P, _P, _INT)),
     "row_lse_topk": (_INT, (_P, _I64, _I64, _I64, _INT, _P, _P, _P, _INT)),
+    "row_argmax": (None, (_P, _I64, _I64, _I64, _P, _INT)),
     "pk_decoder_scratch_bytes": (_I64, (_P, _I64)),
     # the tensor-parallel group's shared-memory collectives (cpu_shm.c, worker/tp/shm.py)
     "pk_shm_bytes": (_I64, (_INT, _I64)),

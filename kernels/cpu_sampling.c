@@ -81,3 +81,42 @@ int row_lse_topk(const float *x, int64_t rows, int64_t n, int64_t ld, int k, flo
     }
     return 0;
 }
+
+/* The index of the row's largest value, as torch.argmax gives it: the first of equal maxima,
+ * the first NaN if there is one. Two reads of the row (from cache): its max, then the first
+ * 16-wide block holding it. */
+static int64_t row_argmax1(const float *x, int64_t n) {
+    float lanes[16];
+    int32_t nan_lanes[16] = {0};
+    for (int i = 0; i < 16; ++i) lanes[i] = -INFINITY;
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16)
+        for (int i = 0; i < 16; ++i) {
+            const float v = x[t + i];
+            lanes[i] = v > lanes[i] ? v : lanes[i];
+            nan_lanes[i] |= v != v;
+        }
+    float best = -INFINITY;
+    int any_nan = 0;
+    for (int i = 0; i < 16; ++i) best = lanes[i] > best ? lanes[i] : best, any_nan |= nan_lanes[i];
+    for (int64_t u = t; u < n; ++u) best = x[u] > best ? x[u] : best, any_nan |= x[u] != x[u];
+    if (any_nan) {
+        for (int64_t u = 0; u < n; ++u)
+            if (x[u] != x[u]) return u;
+    }
+    for (t = 0; t + 16 <= n; t += 16) {
+        const v16i hit = load16(x + t) == splat16(best);
+        int any = 0;
+        for (int i = 0; i < 16; ++i) any |= hit[i];
+        if (any) break;
+    }
+    for (; t < n; ++t)
+        if (x[t] == best) return t;
+    return 0; /* n == 0 */
+}
+
+/* out[r] = argmax of row r of x [rows, n] (row stride ld), torch.argmax's tie and NaN rules. */
+void row_argmax(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; ++r) out[r] = row_argmax1(x + r * ld, n);
+}

@@ -255,6 +255,13 @@ class FastCpuForward:
             raise ValueError(f"row_lse_topk: k = {k} is outside what the kernel takes (status {status})")
         return lse, ids, values
 
+    def argmax(self, x: Tensor) -> Tensor:
+        """worker.sampler.RowArgmax: each row's argmax in one kernel call (torch.argmax's ids)."""
+        rows, n = x.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self.ops.row_argmax(x.data_ptr(), rows, n, x.stride(0), out.data_ptr(), torch.get_num_threads())
+        return out
+
     def __call__(self, inputs: ModelInputs, kv_cache, rows: list[int] | None = None, lora=None) -> Tensor:
         """The final-norm hidden states of `rows` (ascending flat token rows; default: the
         sampling rows), from one C call for the whole decoder stack (kernels/cpu_decoder.c;

@@ -107,15 +107,25 @@ def sample_uniforms(rows: Sequence[SamplingRow], generator: torch.Generator) -> 
 # (rows [R, V] fp32 contiguous on the CPU, k) -> (logsumexp [R], top-k ids [R, k], their
 # logprobs [R, k], largest first): the fast CPU forward's one-pass kernel (kernels/cpu_sampling.c).
 LseTopk = Callable[[Tensor, int], tuple[Tensor, Tensor, Tensor]]
+# rows [R, V] fp32 on the CPU, unit column stride -> torch.argmax(rows, dim=-1), the same ids
+# (first of equal maxima, first NaN): the fast CPU forward's kernel (kernels/cpu_sampling.c).
+RowArgmax = Callable[[Tensor], Tensor]
 
 
 class Sampler:
     def __init__(
-        self, seed: int, eos_token_ids: tuple[int, ...] = (), lse_topk: LseTopk | None = None
+        self,
+        seed: int,
+        eos_token_ids: tuple[int, ...] = (),
+        lse_topk: LseTopk | None = None,
+        argmax: RowArgmax | None = None,
     ) -> None:
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
         self._eos = eos_token_ids  # min_tokens bans them too
         self._lse_topk = lse_topk  # logprobs of CPU logits without a materialized log-softmax
+        # greedy rows: torch's CPU argmax ran at ~1 G logits/s, 11 ms of a batch-64 step over a
+        # 152k vocabulary (docs/PERF.md)
+        self._argmax = argmax
 
     def sample(
         self, logits: Tensor, rows: Sequence[SamplingRow], bitmask: np.ndarray | None = None
@@ -176,6 +186,12 @@ class Sampler:
             if rows[i].params.top_logprobs
         }
 
+    def _greedy(self, logits: Tensor) -> Tensor:
+        cpu = logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1
+        if self._argmax is not None and cpu:
+            return self._argmax(logits)
+        return logits.argmax(dim=-1)
+
     def _sample(
         self, raw: Tensor, rows: Sequence[SamplingRow], bitmask: np.ndarray | None = None
     ) -> list[SampledTokens]:
@@ -190,7 +206,7 @@ class Sampler:
         tokens = torch.empty(len(owners), dtype=torch.int64, device=logits.device)
         greedy = [i for i in range(len(rows)) if not uniforms[i]]
         if greedy:
-            best = _rows_view(logits, greedy).argmax(dim=-1)
+            best = self._greedy(_rows_view(logits, greedy))
             slot = {row: j for j, row in enumerate(greedy)}
             samples = [s for s, i in enumerate(owners) if not uniforms[i]]
             tokens[_index(samples, logits)] = best[_index([slot[owners[s]] for s in samples], logits)]

@@ -147,8 +147,9 @@ class Worker:
             self.model.materialize_quantized(self.dtype, self.device)
         self.draft = build_draft(self, *draft) if draft is not None else None
         self.mirrors = SequenceMirrors(self.model_config.vocab_size, self.persistent_table)
-        lse_topk = None if self.fast_forward is None else self.fast_forward.lse_topk
-        self.sampler = Sampler(config.seed, self.model_config.eos_token_ids, lse_topk)
+        fast = self.fast_forward
+        row_kernels = (None, None) if fast is None else (fast.lse_topk, fast.argmax)
+        self.sampler = Sampler(config.seed, self.model_config.eos_token_ids, *row_kernels)
         self.lora = LoraRuntime(self, config.max_loras, config.max_lora_rank)
         for name, path in config.loras:
             self.lora.load(name, path)

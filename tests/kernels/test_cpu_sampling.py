@@ -1,6 +1,7 @@
 """kernels/cpu_sampling.c's row_lse_topk (the sampler's logprobs on the fast CPU forward) against
-torch's log_softmax + topk, in every ISA variant this CPU runs; and the Sampler with the kernel
-against the Sampler without it (the materialized log-softmax, the oracle path)."""
+torch's log_softmax + topk, and its row_argmax (greedy rows) against torch.argmax, in every ISA
+variant this CPU runs; and the Sampler with the kernels against the Sampler without them (the
+materialized log-softmax and torch's argmax, the oracle path)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,35 @@ def test_ties_keep_the_lower_id_and_k_is_checked(ops):
     assert lse_topk(ops, torch.randn(1, 100), 65)[0] == -2  # past the kernel's TOPK_MAX
 
 
+def row_argmax(ops, x: torch.Tensor, threads: int = 2) -> torch.Tensor:
+    out = torch.full((x.shape[0],), -1, dtype=torch.int64)
+    ops.row_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), threads)
+    return out
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 15), (5, 17), (64, 32000), (2, 151936)])
+def test_argmax_equals_torch(ops, rows, vocab):
+    gen = torch.Generator().manual_seed(rows + vocab)
+    x = torch.randn(rows, vocab + 5, generator=gen)[:, :vocab]  # a row stride wider than the row
+    assert torch.equal(row_argmax(ops, x), x.argmax(dim=-1))
+
+
+def test_argmax_ties_infinities_and_nan_follow_torch(ops):
+    n = 40
+    x = torch.zeros(7, n)
+    x[0, [3, 17, 35]] = 5.0  # equal maxima in different 16-wide blocks: the first
+    x[1] = float("-inf")  # every logit banned
+    x[2, :] = float("-inf")
+    x[2, 38] = -1.0  # the only allowed token, in the tail past the last full block
+    x[3, [2, 30]] = float("nan")  # NaN wins, the first one
+    x[3, 1] = float("inf")
+    x[4, 33] = float("inf")
+    x[5, 39] = float("nan")  # a NaN in the tail only
+    x[6] = torch.arange(n, 0, -1).float()  # the max at 0
+    got = row_argmax(ops, x)
+    assert got.tolist() == x.argmax(dim=-1).tolist() == [3, 0, 38, 2, 33, 39, 0]
+
+
 def test_sampler_with_the_kernel_equals_the_sampler_without():
     ops = load_ops()
 
@@ -64,7 +94,7 @@ def test_sampler_with_the_kernel_equals_the_sampler_without():
     ]
     rows = [SamplingRow(p, 0, 10, p.n) for p in params]
     plain = Sampler(0).sample(logits.clone(), rows)
-    fast = Sampler(0, lse_topk=kernel).sample(logits.clone(), rows)
+    fast = Sampler(0, lse_topk=kernel, argmax=lambda x: row_argmax(ops, x)).sample(logits.clone(), rows)
     for a, b in zip(plain, fast, strict=True):
         assert a.token_ids == b.token_ids
         assert (a.logprobs is None) == (b.logprobs is None) and (a.top_ids is None) == (b.top_ids is None)
