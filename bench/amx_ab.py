@@ -18,6 +18,7 @@ Run: `python -m bench.amx_ab [--quick]`.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 
@@ -125,6 +126,8 @@ def run(quick: bool = False) -> dict:
     ops = {name: _load_variant(name) for name in VARIANTS}
     res.update(gemm_rates(ops, rounds=2 if quick else 4, repeats=2 if quick else 4))
     workers = {name: _worker(name) for name in VARIANTS}
+    gc.collect()
+    gc.freeze()  # as `serve`'s worker process does after its load (pagedkv/heap.py)
     any_worker = workers[VARIANTS[0]]
     for length in (256,) if quick else (256, 1024):
         seconds = prefill_seconds(workers, length, rounds=1 if quick else 3)
