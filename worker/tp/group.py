@@ -107,18 +107,20 @@ class TPGroup:
             self._guard("all_gather", lambda: self.shm.all_gather_last(tensor, out))
             return out
         tensor = tensor.contiguous()
-        parts = self._gather_buffer(tensor)  # [size, *tensor.shape]: rank r's tensor at [r]
-        self._guard("all_gather", lambda: _all_gather_single(parts, tensor, group=self.compute))
-        return joined_last(parts, columns, out)
+        flat = self._gather_buffer(tensor)
+        # The ranks' tensors one after another along dim 0 (the form gloo and NCCL both take).
+        stacked = flat.view(self.size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else flat
+        self._guard("all_gather", lambda: _all_gather_single(stacked, tensor, group=self.compute))
+        return joined_last(flat.view(self.size, *tensor.shape), columns, out)
 
     def _gather_buffer(self, tensor: Tensor) -> Tensor:
-        """A [size, *tensor.shape] view of one buffer, grown (outside a capture: the logits'
+        """size x tensor.numel() elements of one buffer, grown (outside a capture: the logits'
         gather runs eagerly after a replay) when a step needs more rows than any before."""
         need = self.size * tensor.numel()
         held = self._gathered
         if held is None or held.numel() < need or held.dtype != tensor.dtype or held.device != tensor.device:
             self._gathered = held = torch.empty(need, dtype=tensor.dtype, device=tensor.device)
-        return held[:need].view(self.size, *tensor.shape)
+        return held[:need]
 
     def _guard(self, kind: str, collective) -> None:
         """Run `collective`, turning a failure into GroupBroken. Timing is host-side only
