@@ -69,7 +69,9 @@ class TPGroup:
         start = timedelta(seconds=start_timeout_s)
         bound = {}
         if backend == "nccl":  # NCCL binds the communicator to the current device: set it first,
-            torch.cuda.set_device(device)  # and create it now (device_id), never lazily inside a capture
+            if device.index is None:  # and create it now (device_id), never lazily inside a capture
+                raise ValueError(f"a CUDA rank needs its GPU's index (cuda_rank.rank_device), got {device}")
+            torch.cuda.set_device(device)
             bound = {"device_id": device}
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=size, timeout=start, **bound
