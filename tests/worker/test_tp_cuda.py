@@ -310,3 +310,30 @@ def test_a_packed_code_kernel_module_keeps_the_row_parallel_all_reduce(quantized
         before = group.reduced
         assert torch.equal(module(x), 2 * module.linear(x))
         assert group.reduced == before + 1
+
+
+def test_the_memory_profile_of_a_rank_samples_the_whole_vocabulary(monkeypatch):
+    """A rank's model holds P vocabulary rows but its sampler sees the gathered [batch, V]
+    logits: the profile's sampler workspace is measured at V (the Worker passes it), and a
+    rank's capture failure hook reaches the workload."""
+    import worker.profile_workload as profile_workload
+    from tests.worker.test_memory_profile import FakeDevice, FakeWorkload
+
+    made = []
+
+    class Recording(FakeWorkload):
+        def __init__(self, model, spec, layout, backend, device, shape, vocab, capture, failed):
+            made.append((vocab, failed))
+            super().__init__(memory)
+
+    memory = FakeDevice(total=80 << 30, used_by_others=0, weights=1 << 30)
+    monkeypatch.setattr(profile_workload, "WorkerProfileWorkload", Recording)
+    config = WorkerConfig(device="cpu", block_size=16)
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=26))  # a rank's part of 100
+    spec = SimpleNamespace(block_size=16, bytes_per_block=1 << 16)
+    hook = capture_failed(1)
+    profile_workload.profiled_kv_bytes(
+        config, model, spec, None, 64, memory, vocab_size=100, capture_failed=hook
+    )
+    profile_workload.profiled_kv_bytes(config, model, spec, None, 64, memory)
+    assert made == [(100, hook), (26, None)]
