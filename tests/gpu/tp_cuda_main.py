@@ -10,11 +10,10 @@ import sys
 
 import torch
 
-from tests.worker.tp_rank_main import _Leading, drive
+from tests.worker.tp_rank_main import run_models
 from worker import WorkerConfig
 from worker.tp.cuda_rank import rank_device
 from worker.tp.group import TPGroup
-from worker.tp.rank import GroupLeader, follow, rank_worker
 
 
 def config_for(model_dir: str, device: str) -> WorkerConfig:
@@ -25,20 +24,14 @@ def config_for(model_dir: str, device: str) -> WorkerConfig:
 def main(rank: int, size: int, init: str, out: str, model_dirs: list[str]) -> int:
     device = rank_device("cuda", rank)
     group = TPGroup(rank, size, init, torch.device(device), step_timeout_s=120.0)
-    results = {}
-    for model_dir in model_dirs:
-        worker = rank_worker(config_for(model_dir, device), group)
-        if rank != 0:
-            follow(worker, group)
-            continue
-        replays = worker.decode_graphs.num_replays
-        result = drive(_Leading(worker, group))
-        result["logits"] = result["logits"].cpu()
-        result["replays"] = worker.decode_graphs.num_replays - replays
-        result["graphs"] = worker.graph_decision.reason
-        results[model_dir] = result
-        GroupLeader(worker, group).stop()
+
+    def describe(worker) -> dict:  # decode replays include the self-check's one
+        return {"replays": worker.decode_graphs.num_replays, "graphs": worker.graph_decision.reason}
+
+    results = run_models(group, model_dirs, lambda model_dir: config_for(model_dir, device), describe)
     if rank == 0:
+        for result in results.values():
+            result["logits"] = result["logits"].cpu()
         results["captured"] = dict(group.captured)
         torch.save(results, out)
     group.close()
