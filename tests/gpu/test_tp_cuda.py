@@ -27,10 +27,19 @@ MODELS = ["llama-gqa-derived-head-dim", "qwen2-mqa-bias"]  # GQA split / one KV 
 TP_LOGITS_TOLERANCE = 1e-4  # fp32: the ranks' partial sums only reorder float additions
 
 
+def needs_nccl() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        pytest.skip("this torch build has no NCCL (torch.distributed.is_nccl_available() is False)")
+
+
 @pytest.fixture(scope="module")
 def tp1_group():
     """A one-rank NCCL group in this process (closed after the module)."""
     from worker.tp.group import TPGroup
+
+    needs_nccl()
 
     device = rank_device("cuda", 0)
     group = TPGroup(0, 1, f"tcp://127.0.0.1:{free_port()}", torch.device(device), step_timeout_s=120.0)
@@ -97,6 +106,7 @@ def worker_layers(path) -> int:
 
 
 def test_tp2_nccl_ranks_with_graphs_equal_the_single_worker(checkpoint, tmp_path):
+    needs_nccl()
     visible = torch.cuda.device_count()
     if visible < 2:
         pytest.skip(f"TP=2 on NCCL needs 2 GPUs, {visible} visible (CUDA_VISIBLE_DEVICES picks them)")

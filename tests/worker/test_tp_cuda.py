@@ -19,6 +19,7 @@ from worker.graph_check import Comparison
 from worker.model_config import parse_model_config
 from worker.tp.cuda_rank import (
     capture_failed,
+    check_nccl,
     check_serve_gpus,
     collective_schedule,
     group_graph_decider,
@@ -121,6 +122,15 @@ def test_serve_refuses_fewer_visible_gpus_than_ranks(monkeypatch):
         serve_worker_flags(args)
     check_serve_gpus("cuda:1", 1, lambda: 2)  # one worker on a chosen GPU: fine
     check_serve_gpus("cpu", 8, lambda: 0)
+
+
+def test_a_cuda_group_without_capturable_nccl_is_refused_at_start():
+    with pytest.raises(WorkerConfigError, match="need NCCL, and this torch build has none"):
+        check_nccl("on", False, None)
+    with pytest.raises(WorkerConfigError, match=r"NCCL 2\.8\.4 cannot be recorded .*--cuda-graph off"):
+        check_nccl("on", True, (2, 8, 4))
+    check_nccl("off", True, (2, 8, 4))  # eager ranks: any NCCL
+    check_nccl("require", True, (2, 21, 5))
 
 
 # -- the same collectives on every rank ----------------------------------------------------

@@ -66,6 +66,26 @@ def rank_device(requested: str, rank: int, device_count: Callable[[], int] | Non
     return f"cuda:{index}"
 
 
+CAPTURABLE_NCCL = (2, 9, 6)  # the first NCCL whose collectives a CUDA graph can record
+
+
+def check_nccl(graph_mode: str, available: bool, version: tuple[int, ...] | None) -> None:
+    """A CUDA group needs NCCL, and with decode graphs one they can capture: refused at start
+    (WorkerConfigError) rather than failing inside the first capture, which would stop the
+    group and restart it into the same failure."""
+    if not available:
+        raise WorkerConfigError(
+            "tensor-parallel CUDA ranks need NCCL, and this torch build has none "
+            "(torch.distributed.is_nccl_available() is False)"
+        )
+    if graph_mode != "off" and version is not None and tuple(version) < CAPTURABLE_NCCL:
+        have, need = ".".join(map(str, version)), ".".join(map(str, CAPTURABLE_NCCL))
+        raise WorkerConfigError(
+            f"NCCL {have} cannot be recorded into CUDA graphs (needs >= {need}): upgrade torch's NCCL, "
+            "or start the group with --cuda-graph off"
+        )
+
+
 def check_serve_gpus(requested: str, size: int, device_count: Callable[[], int] | None = None) -> None:
     """`pagedkv serve --tensor-parallel-size N --device cuda`: N ranks on this host need N
     visible GPUs, one each (ValueError: a usage error before any process starts)."""

@@ -116,9 +116,14 @@ def build_rank(config, rank: int, size: int, init_method: str, step_timeout_s: f
     GPU (worker/tp/cuda_rank.py rank_device). A start that breaks the group (a failed graph
     capture: this rank's collectives may no longer pair with the others') ends the process at
     once, the rank named, so the supervisor restarts the group instead of it hanging."""
-    from worker.tp.cuda_rank import rank_device
+    import torch.distributed as dist
+
+    from worker.tp.cuda_rank import check_nccl, rank_device
 
     config = replace(config, device=rank_device(config.device, rank))
+    if config.device.startswith("cuda"):
+        nccl = dist.is_nccl_available()
+        check_nccl(config.graph_mode, nccl, torch.cuda.nccl.version() if nccl else None)
     group = TPGroup(rank, size, init_method, torch.device(config.device), step_timeout_s)
     try:
         return rank_worker(config, group), group
