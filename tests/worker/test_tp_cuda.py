@@ -104,6 +104,28 @@ def test_rank_r_takes_the_r_th_visible_gpu_unless_given_an_index():
         rank_device("cuda:1", 0, lambda: 1)
 
 
+def test_build_rank_hands_the_ranks_gpu_to_the_group_and_the_worker(monkeypatch):
+    """build_rank with `--device cuda`: rank 1 of 2 joins NCCL and builds its Worker on cuda:1
+    (torch's GPU count and NCCL stubbed: this torch is the CPU build)."""
+    import torch.distributed as dist
+
+    import worker.tp.rank as rank_module
+
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
+    monkeypatch.setattr(
+        rank_module, "TPGroup", lambda rank, size, init, device, timeout: seen.update(group=device)
+    )
+    monkeypatch.setattr(rank_module, "rank_worker", lambda config, group: seen.update(worker=config.device))
+    rank_module.build_rank(WorkerConfig(device="cuda", cuda_graph="on"), 1, 2, "tcp://127.0.0.1:1", 5.0)
+    assert seen == {"group": torch.device("cuda", 1), "worker": "cuda:1"}
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 7, 8))
+    with pytest.raises(WorkerConfigError, match=r"NCCL 2\.7\.8 cannot be recorded"):
+        rank_module.build_rank(WorkerConfig(device="cuda"), 1, 2, "tcp://127.0.0.1:1", 5.0)
+
+
 def test_serve_refuses_fewer_visible_gpus_than_ranks(monkeypatch):
     """Through serve's own flag handling (pagedkv/tp_cli.py), with the GPU count stubbed."""
     from pagedkv.cli import build_parser

@@ -36,17 +36,15 @@ different sizes (and a graph wrong on one rank makes the logits every rank sampl
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 
-from base.logs import get_logger
 from worker.cuda_graph import capture_plan
 from worker.errors import WorkerConfigError
 from worker.graph_check import Comparison, GraphDecision, settle
 from worker.tp.group import GroupBroken
-
-log = get_logger("pagedkv.worker")
 
 
 def rank_device(requested: str, rank: int, device_count: Callable[[], int] | None = None) -> str:
@@ -106,8 +104,6 @@ def check_serve_gpus(requested: str, size: int, device_count: Callable[[], int] 
 
 
 def _visible_env() -> str:
-    import os
-
     return os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
 
 
