@@ -196,7 +196,10 @@ class Worker:
                 self.draft.propose(work)
             graphed = self.decode_graphs is not None and not self.lora.uses_adapters(work.mirrors)
             if graphed and self.decode_graphs.accepts(work.scheduled):
-                logits = self.model.compute_logits(self.decode_graphs.forward(work.scheduled))
+                hidden = self.decode_graphs.forward(work.scheduled)
+                if self.shard is not None:  # a replay's collectives: bounded by the step timeout
+                    self.shard.replayed()
+                logits = self.model.compute_logits(hidden)
             else:
                 logits, prompt_out = self._forward(work, keep_logits)
             grammars = [row.grammar for row in work.rows if row.grammar is not None]

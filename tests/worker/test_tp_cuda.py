@@ -369,3 +369,33 @@ def test_the_memory_profile_of_a_rank_samples_the_whole_vocabulary(monkeypatch):
     )
     profile_workload.profiled_kv_bytes(config, model, spec, None, 64, memory)
     assert made == [(100, hook), (26, None)]
+
+
+def test_a_replay_that_never_finishes_breaks_the_group_within_the_step_timeout(monkeypatch):
+    """Replayed collectives are invisible to NCCL's watchdog: the rank polls the GPU after a
+    replay and, past the step timeout, breaks the group naming the ranks that did not answer."""
+
+    class Event:
+        polls = 0
+
+        def record(self):
+            pass
+
+        def query(self):
+            Event.polls += 1
+            return Event.polls > finish_after
+
+    group = TPGroup.__new__(TPGroup)
+    group.device, group.step, group.step_timeout_s = torch.device("cuda", 0), 7, 0.05
+    group.missing_ranks = lambda: [1]
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    finish_after = 3
+    group.wait_device()
+    assert Event.polls == 4
+    finish_after = float("inf")
+    with pytest.raises(
+        GroupBroken, match=r"broken at step 7: rank\(s\) 1 did not answer .*did not finish a replayed"
+    ):
+        group.wait_device()
+    group.device = torch.device("cpu")
+    group.wait_device()  # CPU ranks: nothing to wait for

@@ -140,6 +140,25 @@ class TPGroup:
         self.seconds[kind] += time.perf_counter() - started
         self.calls[kind] += 1
 
+    def wait_device(self) -> None:
+        """Until this rank's GPU has done the work queued so far, at most the step timeout
+        (then GroupBroken, the ranks named). After a graph replay: NCCL's watchdog times out
+        the collectives the host issued, but not those a replay runs, so a rank that hangs
+        mid-replay would otherwise leave the others waiting on their GPUs for ever. Polls an
+        event, yielding the core between polls (as a CUDA synchronize spins and yields)."""
+        if self.device.type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.perf_counter() + self.step_timeout_s
+        while not done.query():
+            if time.perf_counter() > deadline:
+                late = TimeoutError(
+                    f"the GPU did not finish a replayed decode graph in {self.step_timeout_s:g}s"
+                )
+                raise self.broken(late)
+            time.sleep(0)
+
     def broken(self, exc: BaseException) -> GroupBroken:
         """What went wrong, with the ranks that did not arrive when some hang."""
         missing = self.missing_ranks()

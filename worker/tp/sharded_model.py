@@ -300,6 +300,10 @@ class ModelShard:
         between GPUs, and block ids must mean the same slots on every rank)."""
         return min(self.group.agree(kv_bytes))
 
+    def replayed(self) -> None:
+        """After a decode graph's replay: wait for it within the step timeout (TPGroup.wait_device)."""
+        self.group.wait_device()
+
     def graph_decider(self):
         """graph_check.decide for this rank: all ranks keep graphs or none (cuda_rank.py)."""
         from worker.tp.cuda_rank import group_graph_decider
