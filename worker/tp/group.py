@@ -216,7 +216,12 @@ class TPGroup:
     def agree(self, value: object) -> list[object]:
         """Every rank's `value`, on every rank (start-up checks)."""
         out: list[object] = [None] * self.size
-        dist.all_gather_object(out, value, group=self.host)
+        try:
+            dist.all_gather_object(out, value, group=self.host)
+        except RuntimeError as exc:  # a rank left (its start failed) or never came
+            raise GroupBroken(
+                f"tensor-parallel rank {self.rank}: a rank left during start-up ({exc})"
+            ) from None
         return out
 
     def close(self) -> None:
