@@ -16,7 +16,8 @@ of the device tool's 600), so that a slow step cannot starve the ones after it:
     gpu tests: kernels vs oracle   tests/gpu kernels against the CPU oracle (first: their
                                    results survive a timeout of anything later)
     gpu tests: worker + graphs     the rest of tests/gpu: workers on CUDA vs the CPU worker,
-                                   graphs vs eager, quantized, VL, start-up
+                                   graphs vs eager, quantized, VL, start-up, tensor-parallel
+                                   ranks on NCCL
     worker start                   python -m bench.gpu_startup: memory profile + graph self-check
     compute-sanitizer memcheck / racecheck   subsets of the kernel tests (every kernel)
     nvrtc compile tests            the NVRTC compile checks only (CPU CI runs the rest of tests/kernels)
@@ -66,6 +67,7 @@ WORKER_TESTS = [
     "tests/gpu/test_quant_model_cuda.py",
     "tests/gpu/test_vl_cuda.py",
     "tests/gpu/test_sliding_window_cuda.py",
+    "tests/gpu/test_tp_cuda.py",  # tensor-parallel ranks on NCCL (TP=2 skips on one GPU)
 ]
 WORKER_DESELECT = [f"--deselect={t}" for t in KERNEL_TESTS if "::" in t]
 # compute-sanitizer subsets (ids name the dtype and kernel): every kernel once, fp16 mostly;

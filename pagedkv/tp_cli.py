@@ -21,7 +21,14 @@ DEFAULT_STEP_TIMEOUT_S = 60.0
 
 
 def add_worker_tp_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp-rank", type=int, default=0, metavar="R", help="this process's rank in its group")
+    p.add_argument(
+        "--tp-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="this process's rank in its group (with --device cuda it uses cuda:R; give --device cuda:K "
+        "to choose its GPU, e.g. on a host that holds only some of the ranks)",
+    )
     p.add_argument(
         "--tp-size", type=positive_int, default=1, metavar="N", help="ranks in the tensor-parallel group"
     )
@@ -40,7 +47,8 @@ def add_serve_tp_flags(p: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="serve the model from N worker ranks on this host (torch.distributed; the CPU cores "
-        "are split between them); a crashed rank restarts the whole group",
+        "are split between them; with --device cuda rank R uses the R-th visible GPU); a crashed "
+        "rank restarts the whole group",
     )
     _add_common(p)
 
@@ -83,6 +91,10 @@ def apply_threads(args) -> None:
 def serve_worker_flags(args) -> list[str]:
     """What serve adds to rank 0's `pagedkv worker` command (nothing for one worker)."""
     size = args.tensor_parallel_size
+    if size > 1 and args.device.startswith("cuda"):  # one GPU per rank, all visible here
+        from worker.tp.cuda_rank import check_serve_gpus
+
+        check_serve_gpus(args.device, size)
     flags = ["--tp-step-timeout", str(args.tp_step_timeout)]
     threads = args.threads or (max(1, len(os.sched_getaffinity(0)) // size) if size > 1 else None)
     if threads:

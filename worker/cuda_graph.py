@@ -80,6 +80,17 @@ def context_buckets(max_model_len: int) -> tuple[int, ...]:
     )
 
 
+def capture_plan(max_batch: int, max_model_len: int) -> tuple[tuple[int, int], ...]:
+    """The (batch bucket, context bucket) graphs `DecodeGraphRunner.capture_all` captures, in
+    its order: every batch bucket, smallest first, at the capacity context. The only order a
+    start-up capture happens in (the memory profile's runner, then the serving runner, each
+    runs it once), so a tensor-parallel group whose ranks agree on it captures the same
+    collectives in the same order on every rank (worker/tp/cuda_rank.py checks they agree).
+    Later captures happen when a plan first needs a bucket: the same plan on every rank."""
+    context = bucket_for(max_model_len, context_buckets(max_model_len))
+    return tuple((bucket, context) for bucket in bucket_sizes(max_batch))
+
+
 def graph_key(
     seqs: Sequence[ScheduledSequence], buckets: Sequence[int], contexts: Sequence[int]
 ) -> tuple[int, int] | None:
@@ -236,11 +247,12 @@ class DecodeGraphRunner:
             self._capture(*key)
 
     def capture_all(self) -> None:
-        """Capture every batch bucket now at the capacity context (start time: the memory
-        profile counts the largest split-K scratch, the self-check replays); the other context
-        buckets are captured on first use."""
-        for bucket in self.buckets:
-            self.capture(bucket, self.max_model_len)
+        """Capture every batch bucket now at the capacity context, in `capture_plan`'s order
+        (start time: the memory profile counts the largest split-K scratch, the self-check
+        replays); the other context buckets are captured on first use."""
+        for bucket, context in capture_plan(self.buckets[-1], self.max_model_len):
+            if (bucket, context) not in self._graphs:
+                self._capture(bucket, context)
 
     @property
     def num_captured(self) -> int:

@@ -253,8 +253,13 @@ def replace_quantized_linears(model: nn.Module, dtype: torch.dtype, backend=None
         if backend is not None and spec not in kernels:
             kernels[spec] = QuantKernels(backend, spec)
         parent_name, _, attr = name.rpartition(".")
-        linear = CudaQuantLinear(weight, modules[name].bias, dtype, device, kernels.get(spec), scratch)
-        setattr(modules[parent_name] if parent_name else model, attr, linear)
+        old = modules[name]
+        linear = CudaQuantLinear(weight, old.bias, dtype, device, kernels.get(spec), scratch)
+        # A tensor-parallel row-parallel layer (worker/tp/sharded_model.py) all-reduces its
+        # linear's partial output: it stays around the kernels' module, or the sum is lost.
+        around = getattr(old, "around", None)
+        parent = modules[parent_name] if parent_name else model
+        setattr(parent, attr, linear if around is None else around(linear))
     model.quantized = {}
     return len(packed)
 

@@ -146,22 +146,28 @@ def graph_facts(decision: GraphDecision | None) -> dict[str, str]:
 
 def decide(mode: str, check: Callable[[], Comparison]) -> GraphDecision:
     """Keep the graphs when `check` matches; else serve eager with the reason logged, or
-    (mode "require") refuse to start."""
+    (mode "require") refuse to start. (A tensor-parallel rank decides with the whole group:
+    worker/tp/cuda_rank.py group_graph_decider.)"""
     try:
         result = check()
     except (RuntimeError, ValueError) as exc:  # a capture or replay that failed outright
-        failure = f"graph capture or replay failed: {exc}"
-    else:
-        if result.ok:
-            return GraphDecision(True, f"self-check passed: {result.describe()}")
-        failure = f"self-check mismatch: {result.describe()}"
+        return settle(mode, f"graph capture or replay failed: {exc}", "")
+    failure = None if result.ok else f"self-check mismatch: {result.describe()}"
+    return settle(mode, failure, f"self-check passed: {result.describe()}")
+
+
+def settle(mode: str, failure: str | None, passed: str, eager: str = "serving eager") -> GraphDecision:
+    """The decision once the check's outcome is known: graphs (`failure` None, `passed` the
+    reason), else eager with the failure logged, or with mode "require" a start error."""
+    if failure is None:
+        return GraphDecision(True, passed)
     if mode == "require":
         raise WorkerConfigError(
             f"--cuda-graph require: {failure}. Start with --cuda-graph on (serve eager after the check) "
             "or off, and report this with the worker's log"
         )
     log.warning("worker.cuda_graph_eager", reason=failure)
-    return GraphDecision(False, f"{failure}; serving eager")
+    return GraphDecision(False, f"{failure}; {eager}")
 
 
 class WorkerDecodePaths:
@@ -200,12 +206,17 @@ class WorkerDecodePaths:
 
 
 def prepare_graphs(
-    mode: str, layout: KVLayout, make_runner: Callable[[], DecodeGraphRunner], vocab_size: int, dtype
+    mode: str,
+    layout: KVLayout,
+    make_runner: Callable[[], DecodeGraphRunner],
+    vocab_size: int,
+    dtype,
+    decider: Callable[[str, Callable[[], Comparison]], GraphDecision] = decide,
 ) -> tuple[DecodeGraphRunner | None, GraphDecision]:
     """The worker's start on CUDA: the graph runner to serve with (None = eager) and why.
-    With graphs on, every bucket is captured now and self-checked (`decide`). Never with the
-    contiguous layout, whose torch reference attention reads lengths on the host, which a
-    graph cannot."""
+    With graphs on, every bucket is captured now and self-checked (`decider`: `decide`, or a
+    tensor-parallel rank's, which decides with its group). Never with the contiguous layout,
+    whose torch reference attention reads lengths on the host, which a graph cannot."""
     if mode == "off":
         return None, GraphDecision(False, "--cuda-graph off")
     if layout != KVLayout.PAGED:
@@ -222,7 +233,7 @@ def prepare_graphs(
         sequences = scratch_sequences(lengths, block_size, pool.reported_num_blocks, vocab_size)
         return run_check(WorkerDecodePaths(runner.model, pool, runner.device, runner), sequences, dtype)
 
-    decision = decide(mode, check)
+    decision = decider(mode, check)
     log.info("worker.cuda_graphs", on=decision.use_graphs, reason=decision.reason)
     if not decision.use_graphs:
         runner.invalidate()

@@ -18,6 +18,7 @@ Token ids are arbitrary (in range): activation sizes do not depend on them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,9 +67,13 @@ class WorkerProfileWorkload:
         shape: ProfileShape,
         vocab_size: int,
         capture: bool,
+        capture_failed: Callable[[Exception], None] | None = None,
     ) -> None:
+        """`vocab_size`: the whole vocabulary (a tensor-parallel rank's model holds a part;
+        its sampler sees the gathered logits). `capture_failed`: called with a failed capture's
+        error before it is logged (a tensor-parallel rank raises: its group stops)."""
         self.model, self.device, self.shape = model, device, shape
-        self.vocab_size, self.capture = vocab_size, capture
+        self.vocab_size, self.capture, self.capture_failed = vocab_size, capture, capture_failed
         self.prefill = shape.prefill_lengths()
         if layout == KVLayout.PAGED:
             need = max(sum(blocks_needed(n, spec.block_size) for n in self.prefill), shape.max_batch)
@@ -128,6 +133,9 @@ class WorkerProfileWorkload:
         try:
             self.graphs.capture_all()  # under inference mode (DecodeGraphRunner._capture)
         except (RuntimeError, ValueError) as exc:  # the self-check meets it again and decides
+            if self.capture_failed is not None:
+                self.graphs.invalidate()
+                self.capture_failed(exc)
             log.warning("worker.memory_profile_no_graphs", reason=f"graph capture failed: {exc}")
             self.graphs.invalidate()
 
@@ -145,17 +153,22 @@ def profiled_kv_bytes(
     backend,
     max_model_len: int,
     memory: DeviceMemory | None = None,
+    vocab_size: int | None = None,
+    capture_failed: Callable[[Exception], None] | None = None,
 ) -> tuple[int, MemoryBreakdown]:
     """CUDA: profile this workload (memory_profile.measure), then the pool's bytes under
     config.gpu_memory_utilization (an explicit size wins) and the breakdown so far.
-    `memory` defaults to the CUDA device's figures (tests pass a fake)."""
+    `memory` defaults to the CUDA device's figures (tests pass a fake); `vocab_size` to the
+    model's; `capture_failed`: WorkerProfileWorkload's."""
     device = resolve_device(config.device)
     shape = ProfileShape(config.max_num_batched_tokens, config.cuda_graph_max_batch_size, max_model_len)
     capture = config.graph_mode != "off" and device.type == "cuda"  # graphs exist on CUDA only
-    vocab = model.config.vocab_size
+    vocab = vocab_size or model.config.vocab_size
     use = measure(
         memory or CudaMemory(device),
-        lambda: WorkerProfileWorkload(model, spec, config.layout, backend, device, shape, vocab, capture),
+        lambda: WorkerProfileWorkload(
+            model, spec, config.layout, backend, device, shape, vocab, capture, capture_failed
+        ),
     )
     if config.layout == KVLayout.PAGED:
         one_sequence = (blocks_needed(max_model_len, spec.block_size) + 1) * spec.bytes_per_block

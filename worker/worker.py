@@ -24,20 +24,17 @@ from torch import Tensor
 from base.logs import get_logger
 from base.plan import AdapterInfo, KVLayout, MemoryBreakdown, Plan, SeqOutput, StepResult, WorkerInfo
 from base.tokenizer import make_tokenizer
-from kernels.driver import KernelLoadError
-from kernels.nvrtc import KernelCompileError
-from kernels.specs import AttentionGeometry
 from worker.backends import get_backend
 from worker.batch import build_model_inputs
 from worker.block_table import BlockTable
 from worker.cpu_forward import FastCpuForward, fast_forward_unavailable
 from worker.cuda_graph import DecodeGraphRunner
-from worker.cuda_quant import replace_quantized_linears
+from worker.cuda_start import kernel_geometry, prepare_kernels
 from worker.draft_model import build_draft, load_draft
 from worker.errors import WorkerConfigError
 from worker.gguf.config import checkpoint_config
 from worker.grammar_matchers import GrammarMatchers
-from worker.graph_check import GraphDecision, prepare_graphs
+from worker.graph_check import GraphDecision, decide, prepare_graphs
 from worker.kv_cache import KVCacheSpec, create_kv_cache
 from worker.kv_quant import resolve_kv_quant
 from worker.lora.runtime import LoraRuntime
@@ -46,11 +43,11 @@ from worker.model import CausalLM
 from worker.plan_validation import PlanLimits, validate_plan
 from worker.profile_workload import profiled_kv_bytes
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
-from worker.quant.gguf_weight import GgufBlockWeight
 from worker.sampler import Sampler
 from worker.sequence_mirror import SequenceMirrors
 from worker.speculative_verify import sequence_outputs
 from worker.step_work import apply_plan
+from worker.tp.cuda_rank import collective_schedule
 from worker.tp.sharded_model import ModelShard
 from worker.vision.images import VisionRuntime, check_plan_images
 from worker.vision.vl_model import VisionLanguageLM
@@ -109,6 +106,8 @@ class Worker:
             block_size=config.block_size,
             kv_format=kv_format,
         )
+        if shard is not None:  # from here on every rank must issue the same collectives
+            shard.check_schedule(collective_schedule(config, self.max_model_len, self.dtype, self.device))
         self._prepare_kernels()  # before the memory profile, which runs them
         draft = load_draft(self, config.draft_model) if config.draft_model else None
         self._draft_bytes_per_block = 0 if draft is None else draft[2].bytes_per_block
@@ -198,7 +197,10 @@ class Worker:
                 self.draft.propose(work)
             graphed = self.decode_graphs is not None and not self.lora.uses_adapters(work.mirrors)
             if graphed and self.decode_graphs.accepts(work.scheduled):
-                logits = self.model.compute_logits(self.decode_graphs.forward(work.scheduled))
+                hidden = self.decode_graphs.forward(work.scheduled)
+                if self.shard is not None:  # a replay's collectives: bounded by the step timeout
+                    self.shard.replayed()
+                logits = self.model.compute_logits(hidden)
             else:
                 logits, prompt_out = self._forward(work, keep_logits)
             grammars = [row.grammar for row in work.rows if row.grammar is not None]
@@ -307,7 +309,17 @@ class Worker:
         kernels prepared, before any pool exists."""
         if self.device.type != "cuda":
             return self.config.kv_cache_memory or CPU_DEFAULT_KV_MEMORY, None
-        return profiled_kv_bytes(self.config, self.model, self.kv_spec, self.backend, self.max_model_len)
+        shard = self.shard
+        kv_bytes, memory = profiled_kv_bytes(
+            self.config,
+            self.model,
+            self.kv_spec,
+            self.backend,
+            self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            capture_failed=None if shard is None else shard.capture_failed(),
+        )
+        return (kv_bytes if shard is None else shard.shared_kv_bytes(kv_bytes)), memory
 
     def _memory_report(self) -> MemoryBreakdown:
         """ModelFacts.memory: the profile's figures (CUDA) or the weights (CPU), and the pool."""
@@ -320,29 +332,14 @@ class Worker:
         return breakdown(kv_sizing(self.config, profiled=False), pool_bytes, weights)
 
     def _prepare_kernels(self) -> None:
-        """On CUDA: compile and load the kernels now (a bad geometry or driver fails at start)
-        and swap quantized linears for their packed-code kernels."""
+        """On CUDA: the kernels for this worker's (or rank's) heads, now (worker/cuda_start.py)."""
         if self.device.type != "cuda":
             return
-        config = self.model_config
-        geometry = AttentionGeometry(
-            dtype=str(self.dtype).removeprefix("torch."),
-            head_dim=config.head_dim,
-            block_size=self.config.block_size,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            kv_cache_dtype=self.config.kv_cache_dtype,  # quantized pools: their kernels (issue 31)
+        config = self.config
+        geometry = kernel_geometry(
+            self.model_config, self.shard, self.dtype, config.block_size, config.kv_cache_dtype
         )
-        try:
-            self.backend.prepare(geometry)
-            if any(isinstance(w, GgufBlockWeight) for w in self.model.quantized.values()):
-                self.model.materialize_quantized(self.dtype, self.device)  # no CUDA block kernels yet
-            elif self.model.quantized:  # served from packed codes (worker/cuda_quant.py)
-                replace_quantized_linears(self.model, self.dtype, self.backend)
-        except (ValueError, KernelLoadError, KernelCompileError) as exc:
-            raise WorkerConfigError(
-                f"the CUDA kernels cannot serve this model on {self.device}: {exc}"
-            ) from exc
+        prepare_kernels(self.model, self.backend, geometry, self.dtype, self.device)
 
     def _prepare_graphs(self) -> tuple[DecodeGraphRunner | None, GraphDecision | None]:
         if self.device.type != "cuda":
@@ -361,6 +358,7 @@ class Worker:
             ),
             self.model_config.vocab_size,
             self.dtype,
+            decide if self.shard is None else self.shard.graph_decider(),  # a group: all ranks or none
         )
 
     def _prepare_fast_forward(self) -> FastCpuForward | None:

@@ -73,4 +73,4 @@ def test_every_rank_parses_and_meets_at_the_leaders_rendezvous():
         check_worker_args(args)  # rank in range, rendezvous given
         assert (args.tp_rank, args.tp_size, args.tp_init) == (index, size, rank0.tp_init)
         assert (args.model, args.block_size) == (rank0.model, rank0.block_size)  # one model
-        assert args.device == "cpu"  # CUDA ranks are refused at start (worker/tp/rank.py)
+        assert args.device == "cpu"  # CPU ranks: CUDA ranks have never run on a GPU (ARCHITECTURE.md)

@@ -58,17 +58,24 @@ def drive(worker) -> dict:
     }
 
 
+def run_models(group, model_dirs: list[str], config_of, describe=lambda worker: {}) -> dict:
+    """Each model in turn on one group: rank 0 drives it and returns its results per model
+    dir (`drive`'s, and what `describe(worker)` adds); the others follow until told to stop."""
+    results = {}
+    for model_dir in model_dirs:
+        worker = rank_worker(config_of(model_dir), group)
+        if group.rank != 0:
+            follow(worker, group)
+            continue
+        results[model_dir] = drive(_Leading(worker, group)) | describe(worker)
+        GroupLeader(worker, group).stop()
+    return results
+
+
 def main(rank: int, size: int, init: str, out: str, kernels: str, model_dirs: list[str]) -> int:
     torch.set_num_threads(1)  # the cores split between ranks
     group = TPGroup(rank, size, init, torch.device("cpu"), step_timeout_s=120.0)
-    results = {}
-    for model_dir in model_dirs:
-        worker = rank_worker(config_for(model_dir, kernels), group)
-        if rank != 0:
-            follow(worker, group)
-            continue
-        results[model_dir] = drive(_Leading(worker, group))
-        GroupLeader(worker, group).stop()
+    results = run_models(group, model_dirs, lambda model_dir: config_for(model_dir, kernels))
     # A command larger than the first broadcast's inline room takes the second broadcast.
     big = bytes(range(256)) * 40  # 10,240 bytes
     if rank == 0:

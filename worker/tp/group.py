@@ -11,6 +11,14 @@ Three process groups over the same ranks, each for one kind of wait:
     monitor   after a broken step, a monitored barrier (gloo) that names the ranks that did
               not arrive: "a rank hangs" becomes "rank 1 hangs".
 
+On CUDA the compute group is NCCL and its collectives are recorded into the decode graphs
+(worker/cuda_graph.py): `all_reduce` / `all_gather_last` do nothing a capture forbids (no host
+sync, no allocation in the gather, which writes into a buffer grown outside any capture) and
+count a collective recorded into a graph in `captured`, not in `calls` / `seconds` (a replay
+runs it again with no Python involved: the bench's per-call figures are eager calls only).
+The start-up agreements (`agree`) go over gloo on every device: host values, and a rank whose
+NCCL stream is stuck must still be able to say so.
+
 Rank 0 bounds its sends by the step timeout (the followers' receives have none), so a follower
 that hangs between steps is found as surely as one that hangs inside the forward.
 A command is one broadcast of a fixed 4 KiB message, [kind, length, payload] (a decode plan of
@@ -58,18 +66,23 @@ class TPGroup:
         self.rank, self.size = rank, size
         self.step_timeout_s = step_timeout_s
         backend = "nccl" if device.type == "cuda" else "gloo"
+        start = timedelta(seconds=start_timeout_s)
+        bound = {}
+        if backend == "nccl":  # NCCL binds the communicator to the current device: set it first,
+            if device.index is None:  # and create it now (device_id), never lazily inside a capture
+                raise ValueError(f"a CUDA rank needs its GPU's index (cuda_rank.rank_device), got {device}")
+            torch.cuda.set_device(device)
+            bound = {"device_id": device}
         dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=size,
-            timeout=timedelta(seconds=start_timeout_s),
+            backend, init_method=init_method, rank=rank, world_size=size, timeout=start, **bound
         )
         # Plans are host bytes: the commands and the monitor stay on gloo even beside NCCL.
         self.commands = dist.new_group(backend="gloo", timeout=NEVER)
         self.compute = dist.new_group(backend=backend, timeout=timedelta(seconds=step_timeout_s))
         self.monitor = dist.new_group(backend="gloo", timeout=MONITOR_TIMEOUT)
+        self.host = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=start)
         self.device = device
+        self._gathered = None  # all_gather_last's buffer (NCCL / gloo), grown outside captures
         self.shm, self.transport = None, backend
         if backend == "gloo":  # "shm", or "gloo (why not shm)"
             self.shm, self.transport = open_transport(rank, size, self.agree, step_timeout_s)
@@ -77,6 +90,7 @@ class TPGroup:
         # Seconds spent in each kind of communication, and how many (bench/tensor_parallel.py).
         self.seconds = {"all_reduce": 0.0, "all_gather": 0.0, "send": 0.0}
         self.calls = dict.fromkeys(self.seconds, 0)
+        self.captured = dict.fromkeys(self.seconds, 0)  # recorded into CUDA graphs, not run
 
     # -- the forward's collectives (worker.tp.sharded_model.Collectives) -----------------------
     def all_reduce(self, tensor: Tensor) -> None:
@@ -95,19 +109,55 @@ class TPGroup:
             self._guard("all_gather", lambda: self.shm.all_gather_last(tensor, out))
             return out
         tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._guard("all_gather", lambda: dist.all_gather(parts, tensor, group=self.compute))
-        whole = torch.cat(parts, dim=-1)[..., :columns]
-        return whole if out is None else out.copy_(whole)
+        flat = self._gather_buffer(tensor)
+        # The ranks' tensors one after another along dim 0 (the form gloo and NCCL both take).
+        stacked = flat.view(self.size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else flat
+        self._guard("all_gather", lambda: _all_gather_single(stacked, tensor, group=self.compute))
+        return joined_last(flat.view(self.size, *tensor.shape), columns, out)
+
+    def _gather_buffer(self, tensor: Tensor) -> Tensor:
+        """size x tensor.numel() elements of one buffer, grown (outside a capture: the logits'
+        gather runs eagerly after a replay) when a step needs more rows than any before."""
+        need = self.size * tensor.numel()
+        held = self._gathered
+        if held is None or held.numel() < need or held.dtype != tensor.dtype or held.device != tensor.device:
+            self._gathered = held = torch.empty(need, dtype=tensor.dtype, device=tensor.device)
+        return held[:need]
 
     def _guard(self, kind: str, collective) -> None:
+        """Run `collective`, turning a failure into GroupBroken. Timing is host-side only
+        (perf_counter: no device read); a collective recorded into a CUDA graph counts in
+        `captured`, since its time is not spent here and each replay runs it again."""
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         started = time.perf_counter()
         try:
             collective()
         except RuntimeError as exc:  # gloo / NCCL errors (DistBackendError is one)
             raise self.broken(exc) from None
+        if capturing:
+            self.captured[kind] += 1
+            return
         self.seconds[kind] += time.perf_counter() - started
         self.calls[kind] += 1
+
+    def wait_device(self) -> None:
+        """Until this rank's GPU has done the work queued so far, at most the step timeout
+        (then GroupBroken, the ranks named). After a graph replay: NCCL's watchdog times out
+        the collectives the host issued, but not those a replay runs, so a rank that hangs
+        mid-replay would otherwise leave the others waiting on their GPUs for ever. Polls an
+        event, yielding the core between polls (as a CUDA synchronize spins and yields)."""
+        if self.device.type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.perf_counter() + self.step_timeout_s
+        while not done.query():
+            if time.perf_counter() > deadline:
+                late = TimeoutError(
+                    f"the GPU did not finish a replayed decode graph in {self.step_timeout_s:g}s"
+                )
+                raise self.broken(late)
+            time.sleep(0)
 
     def broken(self, exc: BaseException) -> GroupBroken:
         """What went wrong, with the ranks that did not arrive when some hang."""
@@ -166,7 +216,12 @@ class TPGroup:
     def agree(self, value: object) -> list[object]:
         """Every rank's `value`, on every rank (start-up checks)."""
         out: list[object] = [None] * self.size
-        dist.all_gather_object(out, value)
+        try:
+            dist.all_gather_object(out, value, group=self.host)
+        except RuntimeError as exc:  # a rank left (its start failed) or never came
+            raise GroupBroken(
+                f"tensor-parallel rank {self.rank}: a rank left during start-up ({exc})"
+            ) from None
         return out
 
     def close(self) -> None:
@@ -174,6 +229,24 @@ class TPGroup:
             self.shm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); older torch has only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def joined_last(parts: Tensor, columns: int, out: Tensor | None = None) -> Tensor:
+    """[size, ..., P] parts -> [..., columns]: the ranks' parts side by side along the last dim,
+    cut at `columns`, written into `out` (a new tensor when None: the result is the caller's,
+    never a view of the reused gather buffer), one copy per rank."""
+    size, *rest, part = parts.shape
+    if out is None:
+        out = torch.empty(*rest, columns, dtype=parts.dtype, device=parts.device)
+    for rank in range(size):
+        a, b = rank * part, min(columns, (rank + 1) * part)
+        if a < b:
+            out[..., a:b].copy_(parts[rank][..., : b - a])
+    return out
 
 
 def _message(kind: int, payload: bytes) -> torch.Tensor:

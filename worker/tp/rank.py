@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -111,9 +112,23 @@ def _exit_group(exc: GroupBroken):
 
 def build_rank(config, rank: int, size: int, init_method: str, step_timeout_s: float):
     """This process's Worker as rank `rank` of `size`, and its group: the ranks rendezvous
-    first (a missing rank fails the start after the start timeout)."""
+    first (a missing rank fails the start after the start timeout). A CUDA rank runs on its own
+    GPU (worker/tp/cuda_rank.py rank_device). A start that breaks the group (a failed graph
+    capture: this rank's collectives may no longer pair with the others') ends the process at
+    once, the rank named, so the supervisor restarts the group instead of it hanging."""
+    import torch.distributed as dist
+
+    from worker.tp.cuda_rank import check_nccl, rank_device
+
+    config = replace(config, device=rank_device(config.device, rank))
+    if config.device.startswith("cuda"):
+        nccl = dist.is_nccl_available()
+        check_nccl(config.graph_mode, nccl, torch.cuda.nccl.version() if nccl else None)
     group = TPGroup(rank, size, init_method, torch.device(config.device), step_timeout_s)
-    return rank_worker(config, group), group
+    try:
+        return rank_worker(config, group), group
+    except GroupBroken as exc:
+        _exit_group(exc)
 
 
 def rank_worker(config, group: TPGroup):
@@ -124,11 +139,6 @@ def rank_worker(config, group: TPGroup):
 
     if config.draft_model:
         raise WorkerConfigError("--draft-model is not supported with tensor parallelism")
-    if config.device.startswith("cuda"):
-        raise WorkerConfigError(
-            "tensor parallelism runs on CPU ranks only for now: the CUDA kernels are compiled for the "
-            "whole model's heads, and NCCL inside captured decode graphs is not implemented"
-        )
     worker = Worker(config, shard=ModelShard(group.rank, group.size, group))
     geometry = (
         worker.kv_cache.reported_num_blocks,
@@ -139,5 +149,7 @@ def rank_worker(config, group: TPGroup):
     if any(g != geometry for g in seen):
         raise WorkerConfigError(f"tensor-parallel ranks built different KV pools: {seen}")
     ready = dict(rank=group.rank, size=group.size, blocks=geometry[0], transport=group.transport)
+    if worker.graph_decision is not None:
+        ready.update(device=str(worker.device), cuda_graphs=worker.graph_decision.use_graphs)
     log.info("worker.tp_rank_ready", **ready)
     return worker

@@ -72,6 +72,23 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return _reduced(F.linear(x, self.weight, self.bias), self.group)
 
+    def around(self, linear: nn.Module) -> nn.Module:
+        """What this layer becomes when a quantized kernel module replaces its linear
+        (worker/cuda_quant.py): the same all-reduce after the new module's partial output."""
+        return ReducedLinear(linear, self.group)
+
+
+class ReducedLinear(nn.Module):
+    """A row-parallel layer around any linear module (e.g. CUDA packed-code kernels): the
+    module computes this rank's partial output (its bias only on rank 0), then the sum."""
+
+    def __init__(self, linear: nn.Module, group: Collectives) -> None:
+        super().__init__()
+        self.linear, self.group = linear, group
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _reduced(self.linear(x), self.group)
+
 
 class VocabParallelEmbedding(nn.Module):
     """The embedding rows [start, start + P) of the vocabulary; other ids look up zeros, and
@@ -256,8 +273,48 @@ class ModelShard:
         return load_sharded(model_dir, config, self.layout, self.group, dtype, device)
 
     @property
+    def num_heads(self) -> int:
+        """The query heads this rank attends with (the CUDA kernels are compiled for them)."""
+        return self.layout.num_heads
+
+    @property
     def num_kv_heads(self) -> int:
+        """The KV heads this rank holds (its pool's and its kernels' KV head count)."""
         return self.layout.num_kv_heads
+
+    # -- start-up agreements: every rank must issue the same collectives (worker/tp/cuda_rank.py)
+    def check_schedule(self, schedule: dict) -> None:
+        """WorkerConfigError, naming the ranks and values, unless every rank's start-up
+        schedule (cuda_rank.collective_schedule) is this one: checked before any forward."""
+        from worker.tp.cuda_rank import schedule_differences
+
+        differences = schedule_differences(self.group.agree(schedule))
+        if differences is not None:
+            raise WorkerConfigError(
+                "tensor-parallel ranks would run different collectives at start (their flags or "
+                f"checkpoints differ): {differences}; start every rank with the same flags"
+            )
+
+    def shared_kv_bytes(self, kv_bytes: int) -> int:
+        """The pool every rank can hold: the smallest rank's (profiled free memory differs
+        between GPUs, and block ids must mean the same slots on every rank)."""
+        return min(self.group.agree(kv_bytes))
+
+    def replayed(self) -> None:
+        """After a decode graph's replay: wait for it within the step timeout (TPGroup.wait_device)."""
+        self.group.wait_device()
+
+    def graph_decider(self):
+        """graph_check.decide for this rank: all ranks keep graphs or none (cuda_rank.py)."""
+        from worker.tp.cuda_rank import group_graph_decider
+
+        return group_graph_decider(self.group)
+
+    def capture_failed(self):
+        """The memory profile's reaction to a failed capture on this rank: the group stops."""
+        from worker.tp.cuda_rank import capture_failed
+
+        return capture_failed(self.rank)
 
     def fast_forward(self, model: ShardedCausalLM, lm_head_int8: bool = False):
         """The fused CPU kernels on this rank's slices, the collectives between them."""
