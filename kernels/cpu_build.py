@@ -178,6 +178,7 @@ SIGNATURES = {
     "gather_rows": (None, (_INT, _P, _P, _P, _I64, _I64, _INT)),
     "pk_linear": (_INT, (_INT, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT)),
     "pk_gather_rows": (None, (_INT, _P, _P, _P, _I64, _I64, _I64, _INT)),
+    "pk_mlp": (_INT, (_P, _P, _P, _P, _P, _I64, _I64, _I64, _INT)),
     "pq_linear": (_INT, (_INT, _P, _I64, _P, _I64, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT)),
     "pq_quantize_rows": (None, (_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT)),
     "pq_gather_rows": (None, (_INT, _P, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _INT)),

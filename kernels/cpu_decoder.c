@@ -33,6 +33,8 @@ void qkv_rope_store(const float *qkv, const float *cos, const float *sin, const 
                     int kv_dtype, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, float eps,
                     uint8_t *k_exps, uint8_t *v_exps, float k_scale, float v_scale, int threads);
 void silu_mul(float *out, const float *gate_up, int64_t rows, int64_t inner, int threads);
+int pk_mlp(float *y, const float *x, const void *gate_up, const void *down, const float *bias, int64_t m,
+           int64_t d, int64_t inner, int threads);
 
 typedef struct {
     int32_t kind; /* DT_F32 / DT_BF16 / DT_F16 panels (cpu_gemm.c), 4 / 8: integer codes (cpu_quant.c),
@@ -161,6 +163,23 @@ static void lora_add(const Lora *l, int last, int64_t li, int first, int count, 
 static int decoder_layers(const PkModel *m, const PkStep *s, float *x, float *out, float *scratch, int threads,
                           const Lora *lora);
 
+/* wide[:rows, :D] = down(silu(gate(h)) * up(h)): in one AMX pass (pk_mlp, the same bits) for
+ * bf16 weights without LoRA deltas or a gate/up bias, else op by op through `act`. */
+static int mlp(const PkLayer *L, const Lora *lora, int last, int64_t li, float *wide, float *act, const float *h,
+               int64_t rows, int64_t D, int64_t I, int threads) {
+    if (!lora->lo && L->gate_up.kind == DT_BF16 && L->down.kind == DT_BF16 && !L->gate_up.bias) {
+        const int status = pk_mlp(wide, h, L->gate_up.w, L->down.w, L->down.bias, rows, D, I, threads);
+        if (status != -3) return status; /* -3: the tiles do not apply here */
+    }
+    int status = linear(&L->gate_up, wide, h, rows, threads);
+    if (status) return status;
+    lora_add(lora, last, li, 4, 2, wide, 2 * I, h, D, threads);
+    silu_mul(act, wide, rows, I, threads);
+    if ((status = linear(&L->down, wide, act, rows, threads))) return status;
+    lora_add(lora, last, li, 6, 1, wide, D, act, I, threads);
+    return 0;
+}
+
 /* x [T, hidden]: the embeddings in, the residual stream (overwritten). out [R, hidden]: the
  * final-norm rows that sample. scratch: pk_decoder_scratch_bytes(m, T) bytes. Returns 0, -10
  * for a layer whose panels pad K (odd K in bf16: the caller runs the per-op path), or the
@@ -207,11 +226,7 @@ static int decoder_layers(const PkModel *m, const PkStep *s, float *x, float *ou
         if ((status = linear(&L->o, wide, attended, rows, threads))) return status;
         lora_add(lora, last, li, 3, 1, wide, D, attended, HD, threads);
         add_rms_norm(x, wide, h, L->post_norm, rows, D, m->eps, threads);
-        if ((status = linear(&L->gate_up, wide, h, rows, threads))) return status;
-        lora_add(lora, last, li, 4, 2, wide, 2 * I, h, D, threads);
-        silu_mul(act, wide, rows, I, threads);
-        if ((status = linear(&L->down, wide, act, rows, threads))) return status;
-        lora_add(lora, last, li, 6, 1, wide, D, act, I, threads);
+        if ((status = mlp(L, lora, last, li, wide, act, h, rows, D, I, threads))) return status;
         add_rms_norm(x, wide, li == m->num_layers - 1 ? out : h, next_norm, rows, D, m->eps, threads);
     }
     return 0;

@@ -250,6 +250,40 @@ static uint16_t *round_rows_bf16(const float *a, int64_t lda, int64_t m, int64_t
     return out;
 }
 
+/* g's y = x W^T + bias: AMX tiles over K rows [0, k_tiles) (g->a16 rounded for them), the
+ * register tiles over the rest (g->a). Threads split the panels. */
+static int run_panels(const Gemm *g, const float *bias, int64_t k_tiles, int threads) {
+    const int64_t m = g->m, n = g->n, kp = g->kp, ldc = g->ldc;
+    float *y = g->c;
+    const int64_t panels = (n + NR - 1) / NR;
+    const int64_t kc_max = g->dtype == DT_F32 ? KC_F32 : KC_16;
+    const int groups = NR / (16 * NV);
+    const int nthreads = panels >= 2 && m * n * kp >= 32768 ? threads : 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        int t = 0, nt = 1;
+#endif
+        const int64_t p_begin = panels * t / nt, p_end = panels * (t + 1) / nt;
+        if (k_tiles) amx_bf16_panels(y, ldc, g->a16, g->lda16, g->w, m, n, kp, k_tiles, p_begin, p_end);
+        for (int64_t p = p_begin; p < p_end; ++p)
+            for (int64_t k0 = k_tiles; k0 < kp; k0 += kc_max) {
+                const int64_t kc = kp - k0 < kc_max ? kp - k0 : kc_max;
+                for (int col = 0; col < groups; ++col)
+                    if (p * NR + col * 16 * NV < n) run_rows(g, 0, m, p, col, k0, kc);
+            }
+        if (bias) {
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; ++r)
+                for (int64_t j = 0; j < n; ++j) y[r * ldc + j] += bias[j];
+        }
+    }
+    return 0;
+}
+
 /* y[m, n] (row stride ldc) = x[m, k] (row stride lda) W^T + bias. w: panels of `dtype` (see the
  * file comment) with kp = k rounded up to the panel's K padding. Threads split the panels.
  * Returns 0, or -1 if a scratch allocation failed. */
@@ -270,34 +304,49 @@ int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, con
     (void)round_rows_bf16;
     if (dtype == DT_BF16 && kp != k) return -2; /* odd K: the wide path reads x[k] for the pad */
 #endif
-    const int64_t panels = (n + NR - 1) / NR;
-    const int64_t kc_max = dtype == DT_F32 ? KC_F32 : KC_16;
-    const int groups = NR / (16 * NV);
-    const int nthreads = panels >= 2 && m * n * k >= 32768 ? threads : 1;
-#pragma omp parallel num_threads(nthreads)
+    const int status = run_panels(&g, bias, k_tiles, threads);
+    free(rounded);
+    return status;
+}
+
+/* An MLP's y[m, d] = down(silu(gate(x)) * up(x)) (+ down's bias) on AMX tiles, with the SiLU
+ * product written once as down's bf16 input (amx_bf16_gate_up_silu) instead of a fp32 [m, 2I]
+ * gate/up output, a SiLU pass and down's rounding pass: the same bits as pk_linear, silu_mul,
+ * pk_linear. gate_up: bf16 panels of [gate; up] (2 inner rows, K = d), down: bf16 panels
+ * (d rows, K = inner). Applies (returns -3 otherwise, nothing written) on an AMX build, for
+ * m >= AMX_MLP_MIN_ROWS, inner a multiple of 64 and d of AMX_K_STEP. 0, or -1 without memory. */
+int pk_mlp(float *y, const float *x, const void *gate_up, const void *down, const float *bias, int64_t m,
+           int64_t d, int64_t inner, int threads) {
+    if (!PK_HAVE_AMX || m < AMX_MLP_MIN_ROWS || inner % NR || d % AMX_K_STEP) return -3;
+    const int64_t m32 = (m + 31) / 32 * 32;
+    uint16_t *a16 = round_rows_bf16(x, d, m, m32, d, d, threads);
+    uint16_t *act16 = malloc((size_t)(m32 * inner) * sizeof(uint16_t));
+    if (!a16 || !act16) {
+        free(a16), free(act16);
+        return -1;
+    }
+    memset(act16 + m * inner, 0, (size_t)((m32 - m) * inner) * sizeof(uint16_t));
+    const int64_t gate_panels = inner / NR;
+    int failed = 0;
+#pragma omp parallel num_threads(gate_panels >= 2 ? threads : 1) reduction(| : failed)
     {
 #ifdef _OPENMP
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
 #else
         int t = 0, nt = 1;
 #endif
-        const int64_t p_begin = panels * t / nt, p_end = panels * (t + 1) / nt;
-        if (k_tiles) amx_bf16_panels(y, ldc, g.a16, g.lda16, w, m, n, kp, k_tiles, p_begin, p_end);
-        for (int64_t p = p_begin; p < p_end; ++p)
-            for (int64_t k0 = k_tiles; k0 < kp; k0 += kc_max) {
-                const int64_t kc = kp - k0 < kc_max ? kp - k0 : kc_max;
-                for (int col = 0; col < groups; ++col)
-                    if (p * NR + col * 16 * NV < n) run_rows(&g, 0, m, p, col, k0, kc);
-            }
-        if (bias) {
-#pragma omp barrier
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < m; ++r)
-                for (int64_t j = 0; j < n; ++j) y[r * ldc + j] += bias[j];
-        }
+        if (amx_bf16_gate_up_silu(act16, a16, d, gate_up, m, inner, d, gate_panels * t / nt,
+                                  gate_panels * (t + 1) / nt))
+            failed = 1; /* no memory for its gate rows */
     }
-    free(rounded);
-    return 0;
+    if (failed) {
+        free(a16), free(act16);
+        return -1;
+    }
+    Gemm g = {DT_BF16, y, d, NULL, inner, act16, inner, down, m, d, inner};
+    const int status = run_panels(&g, bias, inner, threads);
+    free(a16), free(act16);
+    return status;
 }
 
 /* Rows of a weight held as panels (a tied embedding / lm_head): out[i, :] = W[ids[i], :] as fp32. */

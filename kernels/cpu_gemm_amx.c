@@ -23,7 +23,10 @@
 
 #if PK_HAVE_AMX
 #include <immintrin.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "cpu_simd.h"
 
 #define PANEL_COLS 64
 /* Cache blocking (multiples of 32; measured on a 2-core Sapphire-Rapids-class VM against 512 /
@@ -157,7 +160,92 @@ int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
     return 0;
 }
 
+/* c [32 x 32] (row stride 32) = 32 rows of a16 from a0 (16 when !two) x the half panel b over
+ * k32 K rows, with the tile steps of half_panel in the same order, so each sum equals the bits
+ * half_panel stores (it keeps a K block's partial sums in fp32 between blocks: exact). */
+static void block_32x32(float *c, const uint16_t *a0, int64_t lda16, const uint16_t *b, int64_t k32, int two,
+                        NextPanel *np) {
+    const int64_t a_stride = lda16 * (int64_t)sizeof(uint16_t), b_stride = PANEL_COLS * 2 * sizeof(uint16_t);
+    const uint16_t *a1 = a0 + 16 * lda16;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t k = 0; k < k32; k += 32) {
+        const uint16_t *bk = b + (k / 2) * PANEL_COLS * 2;
+        next_panel_step(np);
+        _tile_loadd(6, bk, b_stride);
+        _tile_loadd(4, a0 + k, a_stride);
+        _tile_loadd(7, bk + 32, b_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a1 + k, a_stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, 32 * sizeof(float));
+    _tile_stored(1, c + 16, 32 * sizeof(float));
+    if (two) {
+        _tile_stored(2, c + 16 * 32, 32 * sizeof(float));
+        _tile_stored(3, c + 16 * 32 + 16, 32 * sizeof(float));
+    }
+}
+
+int amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                          int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end) {
+    /* Per half panel: gate's 32 columns for every row first (one weight stream at a time, as
+     * the unfused GEMM reads them), kept in `gate`, then up's, each 32-row block's product
+     * written as soon as its up block is done. */
+    const int64_t m32 = (m + 31) / 32 * 32, up_panels = inner / PANEL_COLS;
+    float *gate = aligned_alloc(64, (size_t)(m32 * 32) * sizeof(float));
+    if (!gate) return -1;
+    float up[32 * 32] __attribute__((aligned(64)));
+    const int64_t steps = 2 * 2 * (m32 / 32) * (k32 / 32); /* k steps per gate panel and its up panel */
+    pk_amx_config_tiles();
+    for (int64_t p = p_begin; p < p_end; ++p) {
+        /* the next gate panel while gate's tiles run, the next up panel while up's do */
+        const int per_step = (int)((k32 * 2 + steps / 2 - 1) / (steps / 2));
+        NextPanel np = {NULL, 0, k32 * 2, per_step}, npu = np;
+        if (p + 1 < p_end) {
+            np.next = (const char *)(w + (p + 1) * k32 * PANEL_COLS);
+            npu.next = (const char *)(w + (p + 1 + up_panels) * k32 * PANEL_COLS);
+        }
+        for (int half = 0; half < 2; ++half) {
+            const int64_t col = p * PANEL_COLS + half * 32;
+            const uint16_t *bg = w + p * k32 * PANEL_COLS + half * 64, *bu = bg + up_panels * k32 * PANEL_COLS;
+            for (int64_t row = 0; row < m; row += 32)
+                block_32x32(gate + row * 32, a16 + row * lda16, lda16, bg, k32, m - row > 16, &np);
+            for (int64_t row = 0; row < m; row += 32) {
+                block_32x32(up, a16 + row * lda16, lda16, bu, k32, m - row > 16, &npu);
+                const int64_t rows = m - row < 32 ? m - row : 32;
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float *g = gate + (row + r) * 32, *u = up + r * 32;
+                    float o[32];
+#pragma omp simd
+                    for (int j = 0; j < 32; ++j) o[j] = g[j] / (1.f + exp_approx(-g[j])) * u[j];
+                    uint16_t *dst = act16 + (row + r) * inner + col;
+                    store16_bf16(dst, load16(o));
+                    store16_bf16(dst + 16, load16(o + 16));
+                }
+            }
+        }
+    }
+    _tile_release();
+    free(gate);
+    return 0;
+}
+
 #else
+int amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                          int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end) {
+    (void)act16, (void)a16, (void)lda16, (void)w, (void)m, (void)inner, (void)k32, (void)p_begin, (void)p_end;
+    return -1; /* not an AMX build: pk_mlp never calls it there */
+}
+
 int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
                     int64_t n, int64_t kp, int64_t k32, int64_t p_begin, int64_t p_end) {
     (void)y, (void)ldc, (void)a16, (void)lda16, (void)w, (void)m, (void)n, (void)kp, (void)k32, (void)p_begin,

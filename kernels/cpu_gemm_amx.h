@@ -28,6 +28,24 @@
 int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
                     int64_t n, int64_t kp, int64_t k32, int64_t p_begin, int64_t p_end);
 
+/* Rows from which one pass over gate/up + SiLU (pk_mlp) beats the three kernels (0.5B MLP, 24
+ * layers whose weights are not cache-resident, 2 threads, three kernels / fused time: 0.91x at
+ * 64 rows, 1.03x at 128, 1.07-1.08x at 256, 1.10-1.14x at 512; docs/PERF.md). Under it a step
+ * streams the weights more than it multiplies, and two weight streams per thread (gate's and
+ * up's) cost more than the gate/up output's write saves. */
+#ifndef AMX_MLP_MIN_ROWS
+#define AMX_MLP_MIN_ROWS 128
+#endif
+
+/* The gate/up projection and SiLU x up of an MLP in one pass (cpu_gemm.c's pk_mlp): w holds
+ * gate's inner rows, then up's, as bf16 panels with k32 (= K, a multiple of AMX_K_STEP) K rows;
+ * inner a multiple of 64, so gate panel p pairs with up panel p + inner / 64. For gate panels
+ * [p_begin, p_end): act16[r, c] = bf16(silu(gate[r, c]) * up[r, c]), rows < m (row stride
+ * inner), the same bits as amx_bf16_panels, cpu_ops.c's silu_mul and the rounding of the next
+ * linear's input; the fp32 gate / up rows never leave L1. Calling thread, tile permission. */
+int amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                          int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end);
+
 /* cpu_quant.c's pq_linear after its activations are int16 codes (xq, xs, xsum per block), on
  * AMX int8 tiles with the same integer math (cpu_quant_amx.c): 0, -1 when scratch could not be
  * allocated, -3 where the tiles do not apply (block % 64, a build without AMX-INT8). */
