@@ -195,17 +195,15 @@ static void block_32x32(float *c, const uint16_t *a0, int64_t lda16, const uint1
     }
 }
 
-int amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
-                          int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end) {
-    /* Per half panel: gate's 32 columns for every row first (one weight stream at a time, as
-     * the unfused GEMM reads them), kept in `gate`, then up's, each 32-row block's product
-     * written as soon as its up block is done. */
-    const int64_t m32 = (m + 31) / 32 * 32, up_panels = inner / PANEL_COLS;
-    float *gate = aligned_alloc(64, (size_t)(m32 * 32) * sizeof(float));
-    if (!gate) return -1;
+/* amx_bf16_gate_up_silu for the m (<= AMX_MC) rows of one chunk, a16 and act16 at its first
+ * row. Per half panel: gate's 32 columns for every row of the chunk first (one weight stream at
+ * a time, as the unfused GEMM reads them), kept in `gate` [m, 32], then up's, each 32-row block's
+ * product written as soon as its up block is done. */
+static void gate_up_silu_chunk(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                               int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end, float *gate) {
     float up[32 * 32] __attribute__((aligned(64)));
-    const int64_t steps = 2 * 2 * (m32 / 32) * (k32 / 32); /* k steps per gate panel and its up panel */
-    pk_amx_config_tiles();
+    const int64_t up_panels = inner / PANEL_COLS;
+    const int64_t steps = 2 * 2 * ((m + 31) / 32) * (k32 / 32); /* k steps per gate panel and its up panel */
     for (int64_t p = p_begin; p < p_end; ++p) {
         /* the next gate panel while gate's tiles run, the next up panel while up's do */
         const int per_step = (int)((k32 * 2 + steps / 2 - 1) / (steps / 2));
@@ -234,6 +232,18 @@ int amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, c
             }
         }
     }
+}
+
+int amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                          int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end) {
+    /* Chunks of AMX_MC rows, as amx_bf16_panels: the chunk's x stays in L2 while the thread's
+     * panels pass (a whole 8k-token prompt's would be re-read from memory per half panel). */
+    float *gate = aligned_alloc(64, (size_t)AMX_MC * 32 * sizeof(float));
+    if (!gate) return -1;
+    pk_amx_config_tiles();
+    for (int64_t row0 = 0; row0 < m; row0 += AMX_MC)
+        gate_up_silu_chunk(act16 + row0 * inner, a16 + row0 * lda16, lda16, w, m - row0 < AMX_MC ? m - row0 : AMX_MC,
+                           inner, k32, p_begin, p_end, gate);
     _tile_release();
     free(gate);
     return 0;

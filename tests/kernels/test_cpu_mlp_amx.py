@@ -47,7 +47,7 @@ def _three_kernels(ops, x, gate_up, down, bias, inner):
     return PanelLinear(ops, down, bias, torch.bfloat16)(act)
 
 
-@pytest.mark.parametrize("rows", [MIN_ROWS, MIN_ROWS + 1, MIN_ROWS + 17, 200])
+@pytest.mark.parametrize("rows", [MIN_ROWS, MIN_ROWS + 1, MIN_ROWS + 17, 200, 600])  # 600: 3 chunks of 256
 @pytest.mark.parametrize(
     "d,inner",
     [
