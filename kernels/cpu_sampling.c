@@ -86,16 +86,15 @@ int row_lse_topk(const float *x, int64_t rows, int64_t n, int64_t ld, int k, flo
  * the first NaN if there is one. Two reads of the row (from cache): its max, then the first
  * 16-wide block holding it. */
 static int64_t row_argmax1(const float *x, int64_t n) {
-    float lanes[16];
-    int32_t nan_lanes[16] = {0};
-    for (int i = 0; i < 16; ++i) lanes[i] = -INFINITY;
+    v16 lanes = splat16(-INFINITY);
+    v16i nan_lanes = {0};
     int64_t t = 0;
-    for (; t + 16 <= n; t += 16)
-        for (int i = 0; i < 16; ++i) {
-            const float v = x[t + i];
-            lanes[i] = v > lanes[i] ? v : lanes[i];
-            nan_lanes[i] |= v != v;
-        }
+    for (; t + 16 <= n; t += 16) { /* vector max (a bit select) and a NaN mask, no branches */
+        const v16 v = load16(x + t);
+        const v16w above = (v16w)(v > lanes);
+        lanes = as_float16((as_bits16(v) & above) | (as_bits16(lanes) & ~above));
+        nan_lanes |= v != v;
+    }
     float best = -INFINITY;
     int any_nan = 0;
     for (int i = 0; i < 16; ++i) best = lanes[i] > best ? lanes[i] : best, any_nan |= nan_lanes[i];
@@ -104,8 +103,9 @@ static int64_t row_argmax1(const float *x, int64_t n) {
         for (int64_t u = 0; u < n; ++u)
             if (x[u] != x[u]) return u;
     }
+    const v16 target = splat16(best);
     for (t = 0; t + 16 <= n; t += 16) {
-        const v16i hit = load16(x + t) == splat16(best);
+        const v16i hit = load16(x + t) == target;
         int any = 0;
         for (int i = 0; i < 16; ++i) any |= hit[i];
         if (any) break;
