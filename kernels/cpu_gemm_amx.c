@@ -93,6 +93,29 @@ static inline void next_panel_step(NextPanel *np) {
         _mm_prefetch(np->next + np->line * 64, _MM_HINT_T1);
 }
 
+/* Accumulators 0..3 += rows a0 (16) and a1 (16 more when `two`) x a half panel's 32 columns
+ * (b: its first k pair) over kc K rows, one 32-k step at a time: 2 A + 2 B tile loads for 4
+ * tdpbf16ps. The one tile loop of the GEMM and the fused MLP, so both sum in the same order. */
+static inline __attribute__((always_inline)) void tile_steps(const uint16_t *a0, const uint16_t *a1,
+                                                             int64_t a_stride, const uint16_t *b, int64_t kc,
+                                                             int two, NextPanel *np) {
+    const int64_t b_stride = PANEL_COLS * 2 * sizeof(uint16_t);
+    for (int64_t k = 0; k < kc; k += 32) {
+        const uint16_t *bk = b + (k / 2) * PANEL_COLS * 2;
+        next_panel_step(np);
+        _tile_loadd(6, bk, b_stride);
+        _tile_loadd(4, a0 + k, a_stride);
+        _tile_loadd(7, bk + 32, b_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a1 + k, a_stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
 /* One 32-column half of a panel (b: its first k pair of this K block) x rows [row0, row_end) of
  * the chunk, over K rows [k0, k0 + kc). The half's B block (32 columns x kc) stays in L1 while
  * the rows' A tiles stream past it. */
@@ -101,7 +124,7 @@ static void half_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16
                        NextPanel *np) {
     float tmp[16 * 16];
     const int first = k0 == 0;
-    const int64_t a_stride = lda16 * (int64_t)sizeof(uint16_t), b_stride = PANEL_COLS * 2 * sizeof(uint16_t);
+    const int64_t a_stride = lda16 * (int64_t)sizeof(uint16_t);
     for (int64_t row = row0; row < row_end; row += 32) {
         const uint16_t *a0 = a16 + row * lda16 + k0, *a1 = a0 + 16 * lda16;
         const int two = m - row > 16; /* a second 16-row half: else 1 x 2 tiles */
@@ -111,20 +134,7 @@ static void half_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16
             LOAD_TILE(2, row + 16, col);
             LOAD_TILE(3, row + 16, col + 16);
         }
-        for (int64_t k = 0; k < kc; k += 32) {
-            const uint16_t *bk = b + (k / 2) * PANEL_COLS * 2;
-            next_panel_step(np);
-            _tile_loadd(6, bk, b_stride);
-            _tile_loadd(4, a0 + k, a_stride);
-            _tile_loadd(7, bk + 32, b_stride);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (two) {
-                _tile_loadd(5, a1 + k, a_stride);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-        }
+        tile_steps(a0, a1, a_stride, b, kc, two, np);
         if (two) {
             STORE_TILE(2, row + 16, col);
             STORE_TILE(3, row + 16, col + 16);
@@ -165,7 +175,7 @@ int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
  * half_panel stores (it keeps a K block's partial sums in fp32 between blocks: exact). */
 static void block_32x32(float *c, const uint16_t *a0, int64_t lda16, const uint16_t *b, int64_t k32, int two,
                         NextPanel *np) {
-    const int64_t a_stride = lda16 * (int64_t)sizeof(uint16_t), b_stride = PANEL_COLS * 2 * sizeof(uint16_t);
+    const int64_t a_stride = lda16 * (int64_t)sizeof(uint16_t);
     const uint16_t *a1 = a0 + 16 * lda16;
     _tile_zero(0);
     _tile_zero(1);
@@ -173,20 +183,7 @@ static void block_32x32(float *c, const uint16_t *a0, int64_t lda16, const uint1
         _tile_zero(2);
         _tile_zero(3);
     }
-    for (int64_t k = 0; k < k32; k += 32) {
-        const uint16_t *bk = b + (k / 2) * PANEL_COLS * 2;
-        next_panel_step(np);
-        _tile_loadd(6, bk, b_stride);
-        _tile_loadd(4, a0 + k, a_stride);
-        _tile_loadd(7, bk + 32, b_stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-            _tile_loadd(5, a1 + k, a_stride);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-    }
+    tile_steps(a0, a1, a_stride, b, k32, two, np);
     _tile_stored(0, c, 32 * sizeof(float));
     _tile_stored(1, c + 16, 32 * sizeof(float));
     if (two) {
