@@ -34,7 +34,7 @@ void qkv_rope_store(const float *qkv, const float *cos, const float *sin, const 
                     uint8_t *k_exps, uint8_t *v_exps, float k_scale, float v_scale, int threads);
 void silu_mul(float *out, const float *gate_up, int64_t rows, int64_t inner, int threads);
 int pk_mlp(float *y, const float *x, const void *gate_up, const void *down, const float *bias, int64_t m,
-           int64_t d, int64_t inner, int threads);
+           int64_t d, int64_t inner, void *act16, int threads);
 
 typedef struct {
     int32_t kind; /* DT_F32 / DT_BF16 / DT_F16 panels (cpu_gemm.c), 4 / 8: integer codes (cpu_quant.c),
@@ -164,11 +164,13 @@ static int decoder_layers(const PkModel *m, const PkStep *s, float *x, float *ou
                           const Lora *lora);
 
 /* wide[:rows, :D] = down(silu(gate(h)) * up(h)): in one AMX pass (pk_mlp, the same bits) for
- * bf16 weights without LoRA deltas or a gate/up bias, else op by op through `act`. */
+ * bf16 weights without LoRA deltas or a gate/up bias, its bf16 rows in `act` (rows x I floats
+ * hold the padded rows x I bf16 from 32 rows on, and pk_mlp runs from 128), else op by op
+ * through `act`. */
 static int mlp(const PkLayer *L, const Lora *lora, int last, int64_t li, float *wide, float *act, const float *h,
                int64_t rows, int64_t D, int64_t I, int threads) {
     if (!lora->lo && L->gate_up.kind == DT_BF16 && L->down.kind == DT_BF16 && !L->gate_up.bias) {
-        const int status = pk_mlp(wide, h, L->gate_up.w, L->down.w, L->down.bias, rows, D, I, threads);
+        const int status = pk_mlp(wide, h, L->gate_up.w, L->down.w, L->down.bias, rows, D, I, act, threads);
         if (status != -3) return status; /* -3: the tiles do not apply here */
     }
     int status = linear(&L->gate_up, wide, h, rows, threads);

@@ -313,40 +313,36 @@ int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, con
  * product written once as down's bf16 input (amx_bf16_gate_up_silu) instead of a fp32 [m, 2I]
  * gate/up output, a SiLU pass and down's rounding pass: the same bits as pk_linear, silu_mul,
  * pk_linear. gate_up: bf16 panels of [gate; up] (2 inner rows, K = d), down: bf16 panels
- * (d rows, K = inner). Applies (returns -3 otherwise, nothing written) on an AMX build, for
- * m >= AMX_MLP_MIN_ROWS, inner a multiple of 64 and d of AMX_K_STEP. 0, or -1 without memory. */
+ * (d rows, K = inner). act16: scratch of pk_mlp_scratch_bytes (the decoder passes the fp32
+ * buffer the three kernels would have used for silu_mul's output, which is larger). Applies
+ * (returns -3 otherwise, nothing written) on an AMX build, for m >= AMX_MLP_MIN_ROWS, inner a
+ * multiple of 64 and d of AMX_K_STEP. 0, or -1 without memory for x's bf16 rows. */
 int pk_mlp(float *y, const float *x, const void *gate_up, const void *down, const float *bias, int64_t m,
-           int64_t d, int64_t inner, int threads) {
+           int64_t d, int64_t inner, void *act16, int threads) {
     if (!PK_HAVE_AMX || m < AMX_MLP_MIN_ROWS || inner % NR || d % AMX_K_STEP) return -3;
     const int64_t m32 = (m + 31) / 32 * 32;
-    uint16_t *a16 = round_rows_bf16(x, d, m, m32, d, d, threads);
-    uint16_t *act16 = malloc((size_t)(m32 * inner) * sizeof(uint16_t));
-    if (!a16 || !act16) {
-        free(a16), free(act16);
-        return -1;
-    }
-    memset(act16 + m * inner, 0, (size_t)((m32 - m) * inner) * sizeof(uint16_t));
+    uint16_t *a16 = round_rows_bf16(x, d, m, m32, d, d, threads), *act = act16;
+    if (!a16) return -1;
+    memset(act + m * inner, 0, (size_t)((m32 - m) * inner) * sizeof(uint16_t)); /* down's padding rows */
     const int64_t gate_panels = inner / NR;
-    int failed = 0;
-#pragma omp parallel num_threads(gate_panels >= 2 ? threads : 1) reduction(| : failed)
+#pragma omp parallel num_threads(gate_panels >= 2 ? threads : 1)
     {
 #ifdef _OPENMP
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
 #else
         int t = 0, nt = 1;
 #endif
-        if (amx_bf16_gate_up_silu(act16, a16, d, gate_up, m, inner, d, gate_panels * t / nt,
-                                  gate_panels * (t + 1) / nt))
-            failed = 1; /* no memory for its gate rows */
+        amx_bf16_gate_up_silu(act, a16, d, gate_up, m, inner, d, gate_panels * t / nt, gate_panels * (t + 1) / nt);
     }
-    if (failed) {
-        free(a16), free(act16);
-        return -1;
-    }
-    Gemm g = {DT_BF16, y, d, NULL, inner, act16, inner, down, m, d, inner};
+    Gemm g = {DT_BF16, y, d, NULL, inner, act, inner, down, m, d, inner};
     const int status = run_panels(&g, bias, inner, threads);
-    free(a16), free(act16);
+    free(a16);
     return status;
+}
+
+/* Bytes of pk_mlp's act16: down's bf16 input, rows padded to a multiple of 32. */
+int64_t pk_mlp_scratch_bytes(int64_t m, int64_t inner) {
+    return (m + 31) / 32 * 32 * inner * (int64_t)sizeof(uint16_t);
 }
 
 /* Rows of a weight held as panels (a tied embedding / lm_head): out[i, :] = W[ids[i], :] as fp32. */

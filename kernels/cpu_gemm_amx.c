@@ -23,7 +23,6 @@
 
 #if PK_HAVE_AMX
 #include <immintrin.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_simd.h"
@@ -86,6 +85,11 @@ typedef struct {
     int64_t line, lines;
     int per_step;
 } NextPanel;
+
+/* Prefetches of the `lines` lines at `next` (NULL: none) spread over `steps` k steps. */
+static inline NextPanel next_panel(const uint16_t *next, int64_t lines, int64_t steps) {
+    return (NextPanel){(const char *)next, 0, lines, (int)((lines + steps - 1) / steps)};
+}
 
 static inline void next_panel_step(NextPanel *np) {
     if (!np->next) return;
@@ -155,8 +159,8 @@ int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
              * kc * 128 bytes = kc * 2 lines */
             const int64_t steps = 2 * ((row_end - row0 + 31) / 32) * (kc / 32);
             for (int64_t p = p_begin; p < p_end; ++p) {
-                NextPanel np = {NULL, 0, kc * 2, (int)((kc * 2 + steps - 1) / steps)};
-                if (p + 1 < p_end) np.next = (const char *)(w + (p + 1) * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2);
+                const uint16_t *next = w + (p + 1) * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2;
+                NextPanel np = next_panel(p + 1 < p_end ? next : NULL, kc * 2, steps);
                 for (int half = 0; half < 2; ++half) {
                     const int64_t col = p * PANEL_COLS + half * 32;
                     if (col >= n) break;
@@ -200,15 +204,12 @@ static void gate_up_silu_chunk(uint16_t *act16, const uint16_t *a16, int64_t lda
                                int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end, float *gate) {
     float up[32 * 32] __attribute__((aligned(64)));
     const int64_t up_panels = inner / PANEL_COLS;
-    const int64_t steps = 2 * 2 * ((m + 31) / 32) * (k32 / 32); /* k steps per gate panel and its up panel */
+    const int64_t steps = 2 * ((m + 31) / 32) * (k32 / 32); /* k steps of a gate panel (and of its up panel) */
     for (int64_t p = p_begin; p < p_end; ++p) {
         /* the next gate panel while gate's tiles run, the next up panel while up's do */
-        const int per_step = (int)((k32 * 2 + steps / 2 - 1) / (steps / 2));
-        NextPanel np = {NULL, 0, k32 * 2, per_step}, npu = np;
-        if (p + 1 < p_end) {
-            np.next = (const char *)(w + (p + 1) * k32 * PANEL_COLS);
-            npu.next = (const char *)(w + (p + 1 + up_panels) * k32 * PANEL_COLS);
-        }
+        const uint16_t *next = p + 1 < p_end ? w + (p + 1) * k32 * PANEL_COLS : NULL;
+        NextPanel np = next_panel(next, k32 * 2, steps);
+        NextPanel npu = next_panel(next ? next + up_panels * k32 * PANEL_COLS : NULL, k32 * 2, steps);
         for (int half = 0; half < 2; ++half) {
             const int64_t col = p * PANEL_COLS + half * 32;
             const uint16_t *bg = w + p * k32 * PANEL_COLS + half * 64, *bu = bg + up_panels * k32 * PANEL_COLS;
@@ -231,26 +232,23 @@ static void gate_up_silu_chunk(uint16_t *act16, const uint16_t *a16, int64_t lda
     }
 }
 
-int amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
-                          int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end) {
+void amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                           int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end) {
     /* Chunks of AMX_MC rows, as amx_bf16_panels: the chunk's x stays in L2 while the thread's
      * panels pass (a whole 8k-token prompt's would be re-read from memory per half panel). */
-    float *gate = aligned_alloc(64, (size_t)AMX_MC * 32 * sizeof(float));
-    if (!gate) return -1;
+    float gate[AMX_MC * 32] __attribute__((aligned(64))); /* 32 KiB */
     pk_amx_config_tiles();
     for (int64_t row0 = 0; row0 < m; row0 += AMX_MC)
         gate_up_silu_chunk(act16 + row0 * inner, a16 + row0 * lda16, lda16, w, m - row0 < AMX_MC ? m - row0 : AMX_MC,
                            inner, k32, p_begin, p_end, gate);
     _tile_release();
-    free(gate);
-    return 0;
 }
 
 #else
-int amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
-                          int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end) {
+void amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                           int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end) {
     (void)act16, (void)a16, (void)lda16, (void)w, (void)m, (void)inner, (void)k32, (void)p_begin, (void)p_end;
-    return -1; /* not an AMX build: pk_mlp never calls it there */
+    /* not an AMX build: pk_mlp never calls it there */
 }
 
 int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,

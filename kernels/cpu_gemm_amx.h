@@ -43,8 +43,8 @@ int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
  * [p_begin, p_end): act16[r, c] = bf16(silu(gate[r, c]) * up[r, c]), rows < m (row stride
  * inner), the same bits as amx_bf16_panels, cpu_ops.c's silu_mul and the rounding of the next
  * linear's input; the fp32 gate / up rows never leave L1. Calling thread, tile permission. */
-int amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
-                          int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end);
+void amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                           int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end);
 
 /* cpu_quant.c's pq_linear after its activations are int16 codes (xq, xs, xsum per block), on
  * AMX int8 tiles with the same integer math (cpu_quant_amx.c): 0, -1 when scratch could not be

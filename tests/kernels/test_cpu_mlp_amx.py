@@ -35,8 +35,10 @@ def _fused(ops, x, gate_up, down, bias, inner):
     gu, dn = PanelLinear(ops, gate_up, None, torch.bfloat16), PanelLinear(ops, down, bias, torch.bfloat16)
     y = torch.full((rows, d), float("nan"))
     bias_ptr = None if bias is None else dn.bias.data_ptr()
+    # bf16 NaNs (0x7FC0): an element of down's input the pass did not write would show in y
+    scratch = torch.full((ops.pk_mlp_scratch_bytes(rows, inner) // 2,), 0x7FC0, dtype=torch.int16)
     status = ops.pk_mlp(y.data_ptr(), x.data_ptr(), gu.panels.data_ptr(), dn.panels.data_ptr(), bias_ptr,
-                        rows, d, inner, 2)  # fmt: skip
+                        rows, d, inner, scratch.data_ptr(), 2)  # fmt: skip
     return status, y
 
 
