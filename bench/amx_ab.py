@@ -18,7 +18,6 @@ Run: `python -m bench.amx_ab [--quick]`.
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 
@@ -29,6 +28,7 @@ from bench.ceilings import QWEN05_SHAPES, best_seconds, packed_gemm_gflops
 from bench.common import TimedWorker, decode_steps_lockstep, engine_for, median
 from bench.suite_cli import suite_main
 from kernels import cpu_build
+from pagedkv.heap import frozen_after
 from worker.cpu_weights import PanelLinear
 from worker.worker import Worker
 from worker.worker_config import WorkerConfig
@@ -125,9 +125,8 @@ def run(quick: bool = False) -> dict:
         return res
     ops = {name: _load_variant(name) for name in VARIANTS}
     res.update(gemm_rates(ops, rounds=2 if quick else 4, repeats=2 if quick else 4))
-    workers = {name: _worker(name) for name in VARIANTS}
-    gc.collect()
-    gc.freeze()  # as `serve`'s worker process does after its load (pagedkv/heap.py)
+    # the heap frozen after the load, as `serve`'s worker process does
+    workers = frozen_after(lambda: {name: _worker(name) for name in VARIANTS})()
     any_worker = workers[VARIANTS[0]]
     for length in (256,) if quick else (256, 1024):
         seconds = prefill_seconds(workers, length, rounds=1 if quick else 3)
