@@ -133,11 +133,10 @@ class WorkerProfileWorkload:
         try:
             self.graphs.capture_all()  # under inference mode (DecodeGraphRunner._capture)
         except (RuntimeError, ValueError) as exc:  # the self-check meets it again and decides
-            if self.capture_failed is not None:
-                self.graphs.invalidate()
+            self.graphs.invalidate()
+            if self.capture_failed is not None:  # a tensor-parallel rank: raises, its group stops
                 self.capture_failed(exc)
             log.warning("worker.memory_profile_no_graphs", reason=f"graph capture failed: {exc}")
-            self.graphs.invalidate()
 
     def release(self) -> None:
         if self.graphs is not None:
