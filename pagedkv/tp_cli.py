@@ -134,7 +134,12 @@ def leader_factory(args, config):
         leaders.append(GroupLeader(*build_rank(config, 0, args.tp_size, args.tp_init, args.tp_step_timeout)))
         return leaders[0]
 
-    return build, (lambda: leaders and leaders[0].stop())
+    def stop() -> None:
+        if leaders:
+            leaders[0].stop()
+            leaders[0].group.close()
+
+    return build, stop
 
 
 def run_follower(args, config) -> int:
@@ -148,5 +153,6 @@ def run_follower(args, config) -> int:
     rank = (config, args.tp_rank, args.tp_size, args.tp_init, args.tp_step_timeout)
     worker, group = frozen_after(lambda: build_rank(*rank))()
     code = follow(worker, group)
+    group.close()
     log.info("worker.tp_rank_stopped", rank=args.tp_rank)
     return code

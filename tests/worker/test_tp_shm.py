@@ -61,6 +61,8 @@ def test_shm_sums_in_rank_order_and_gathers_exactly_on_every_rank(size, tmp_path
         assert all(view["gathers_ok"]), (rank, view["gathers_ok"])
         assert view["files"] == []  # unlinked as soon as every rank had mapped it
         assert view["mapped_before_close"] == 1 and view["mapped_after_close"] == 0, view
+        # close() joins gloo's threads: left to interpreter exit, they aborted the process
+        assert view["gloo_threads_before_close"] > 0 and view["gloo_threads_after_close"] == 0, view
 
 
 def test_forced_gloo_gives_the_same_sums_for_two_ranks(tmp_path):

@@ -3,7 +3,7 @@
 
     exact   all-reduces and all-gathers of odd sizes and sizes past a slot, each rank checking
             its bits against the sum in rank order / the concatenation; whether the segment is
-            still a file (must not be) and mapped (until close)
+            still a file (must not be) and mapped (until close); gloo's threads (until close)
     hosts   every rank claims another host: the group must choose gloo, and still sum
     die     rank 1 exits just before the second all-reduce; rank 0 records the GroupBroken
     hang    rank 1 stops itself (SIGSTOP) there instead; rank 0 records the GroupBroken
@@ -62,9 +62,11 @@ def exact(group: TPGroup, rank: int, size: int) -> dict:
         )
         gathers_ok.append(torch.equal(into, expected))
     seen |= {"sums_ok": sums_ok, "gathers_ok": gathers_ok, "mapped_before_close": len(mapped_segments())}
+    seen["gloo_threads_before_close"] = len(gloo_threads())
     torch.distributed.barrier()
     group.close()
     seen["mapped_after_close"] = len(mapped_segments())
+    seen["gloo_threads_after_close"] = len(gloo_threads())
     return seen
 
 
@@ -80,6 +82,12 @@ def broken(group: TPGroup, rank: int, scenario: str) -> dict:
     except GroupBroken as exc:
         return {"transport": group.transport, "error": str(exc)}
     return {"transport": group.transport, "error": None}
+
+
+def gloo_threads() -> list[str]:
+    """This process's threads that gloo started (their names: pt_gloo_runloop, gloo_tcp_loop)."""
+    names = (Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+    return [n for n in names if "gloo" in n]
 
 
 def main(rank: int, size: int, init: str, out: str, scenario: str) -> int:
