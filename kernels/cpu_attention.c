@@ -23,6 +23,12 @@ typedef struct {
     int64_t seq, first_token, n_tokens, kv_head; /* kv_head < 0: a whole-token item */
 } WorkItem;
 
+/* Whether a sequence's rows (those the prefill tiles leave) run as attend_tile items: chunks
+ * with half a tile of rows, unless the decode tiles take every row (a token per item). */
+static inline int by_tile(int decode_tiles, int tiles_ok, int64_t q_len, int64_t group) {
+    return !decode_tiles && tiles_ok && 2 * q_len * group >= TILE_ROWS;
+}
+
 int paged_attention(float *out, const float *query, const void *k_cache, const void *v_cache, int kv_dtype,
                     const uint8_t *k_exps, const uint8_t *v_exps, float k_scale, float v_scale,
                     const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
@@ -49,6 +55,7 @@ int paged_attention_rows(float *out, const float *query, const void *k_cache, co
     const int64_t group = heads / kv_heads;
     const int tiles_ok = dim <= TILE_MAX_DIM && dim % TILE_ROWS == 0 && group <= TILE_ROWS;
     const int64_t tile_tokens = tiles_ok ? TILE_ROWS / group : 1;
+    const int decode_tiles = amx_decode_fits(kv_dtype, dim, group);
     /* prefill chunks that AMX tiles take (avx512amx builds): tiled[s] */
     uint8_t *tiled = malloc((size_t)(num_seqs > 0 ? num_seqs : 1));
     if (!tiled) return -2;
@@ -71,8 +78,7 @@ int paged_attention_rows(float *out, const float *query, const void *k_cache, co
     for (int64_t s = 0; s < num_seqs; ++s) {
         if (tiled[s]) continue;
         int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
-        count += tiles_ok && 2 * q_len * group >= TILE_ROWS ? kv_heads * ((q_len + tile_tokens - 1) / tile_tokens)
-                                                            : q_len;
+        count += by_tile(decode_tiles, tiles_ok, q_len, group) ? kv_heads * ((q_len + tile_tokens - 1) / tile_tokens) : q_len;
     }
     WorkItem *items = malloc((size_t)(count > 0 ? count : 1) * sizeof(WorkItem));
     if (!items) {
@@ -83,7 +89,7 @@ int paged_attention_rows(float *out, const float *query, const void *k_cache, co
     for (int64_t s = 0; s < num_seqs; ++s) {
         if (tiled[s]) continue;
         int64_t begin = query_start_loc[s], q_len = query_start_loc[s + 1] - begin;
-        if (tiles_ok && 2 * q_len * group >= TILE_ROWS) {
+        if (by_tile(decode_tiles, tiles_ok, q_len, group)) {
             for (int64_t t = 0; t < q_len; t += tile_tokens)
                 for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
                     items[next++] = (WorkItem){s, begin + t, q_len - t < tile_tokens ? q_len - t : tile_tokens, kvh};
@@ -98,7 +104,10 @@ int paged_attention_rows(float *out, const float *query, const void *k_cache, co
         const int64_t pos = seq_lens[it.seq] - q_len + (it.first_token - query_start_loc[it.seq]);
         const int32_t *table = block_tables + (table_rows ? table_rows[it.seq] : it.seq) * table_width;
         const int64_t first_key = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
-        if (it.kv_head < 0)
+        if (it.kv_head < 0 && decode_tiles)
+            amx_attend_token(out + it.first_token * heads * dim, query + it.first_token * heads * dim, k_cache,
+                             v_cache, table, first_key, pos + 1, heads, kv_heads, dim, block_size, scale);
+        else if (it.kv_head < 0)
             (kv_is_quantized(kv_dtype) ? attend_token_codes : attend_token_wide)(
                 out + it.first_token * heads * dim, query + it.first_token * heads * dim, k_cache, v_cache, table,
                 first_key, pos + 1, heads, kv_heads, dim, block_size, scale, &qs, kv_dtype);

@@ -60,6 +60,18 @@ ATTN_INTERNAL void attend_tile(float *out, const float *query, const void *k_cac
                                int64_t kv_head, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
                                float scale, int64_t window, const KvScales *qs, int dtype);
 
+/* Decode rows on AMX tiles (cpu_attention_decode_amx.c, avx512amx builds only): fits says
+ * whether a decode row qualifies (bf16 pool, dim a multiple of 32 up to MAX_VEC_DIM, a GQA group
+ * of AMX_DECODE_MIN_GROUP to 16 query heads: below that most of a tile's 16 columns would be
+ * padding; a group of 16 fills a prefill tile and takes amx_prefill_attention first);
+ * amx_attend_token is attend_token_wide's contract on the tiles. fits is always 0 in a build
+ * without AMX. */
+#define AMX_DECODE_MIN_GROUP 4
+ATTN_INTERNAL int amx_decode_fits(int kv_dtype, int64_t dim, int64_t group);
+ATTN_INTERNAL void amx_attend_token(float *out, const float *q, const void *k_cache, const void *v_cache,
+                                    const int32_t *table, int64_t first_key, int64_t num_keys, int64_t heads,
+                                    int64_t kv_heads, int64_t dim, int64_t block_size, float scale);
+
 /* Prefill chunks on AMX tiles (cpu_attention_amx.c, avx512amx builds only): fits says whether a
  * sequence qualifies (bf16 pool, dim a multiple of 32 up to 256, at least one full 16-row tile
  * of query rows, context up to AMX_ATTN_MAX_KEYS); amx_prefill_attention runs the chunks of

@@ -46,6 +46,7 @@ SOURCES = (
     "cpu_attention_decode.c",
     "cpu_attention_prefill.c",
     "cpu_attention_amx.c",
+    "cpu_attention_decode_amx.c",
     "cpu_gemm.c",
     "cpu_gemm_amx.c",
     "cpu_ops.c",
