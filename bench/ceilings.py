@@ -210,6 +210,29 @@ def packed_gemm_gflops(
     return _gflops_over_shapes(shapes, rows, make_run, repeats)
 
 
+def streaming_gemm_gflops(shapes: list[tuple[int, int]], dtype="bfloat16", rows: int = 64, repeats: int = 3) -> float:
+    """GFLOP/s of oneDNN's prepacked GEMM over one distinct weight per entry of `shapes`, run in
+    order as a forward runs its linears: a model's weights larger than the caches stream from
+    memory once per step. packed_gemm_gflops repeats one weight per shape, which stays in cache,
+    so at few rows (a decode batch) it states a rate no model past the cache size can reach."""
+    import torch
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.inference_mode():
+        weights = [
+            torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(dtype), PACKING_BATCH_HINT)
+            for n, k in shapes
+        ]
+        inputs = {k: torch.randn(rows, k).to(dtype) for _, k in shapes}
+
+        def one_pass():
+            for (_, k), w in zip(shapes, weights, strict=True):
+                torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
+
+        seconds = best_seconds(one_pass, repeats)
+    return 2.0 * rows * sum(n * k for n, k in shapes) / seconds / 1e9
+
+
 def int8_gemm_gflops(
     shapes: list[tuple[int, int]], rows: int = 64, threads: int | None = None, repeats: int = 5
 ) -> float | None:

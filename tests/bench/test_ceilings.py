@@ -48,6 +48,12 @@ def test_packed_gemm_both_dtypes():
         assert ceilings.packed_gemm_gflops([(64, 32), (32, 64), (64, 32)], dtype, rows=4, repeats=2) > 0
 
 
+def test_streaming_gemm_over_distinct_weights():
+    # the same shape twice is two weights (a model's layers), and the rate counts both
+    rate = ceilings.streaming_gemm_gflops([(64, 32), (32, 64), (64, 32)], "bfloat16", rows=4, repeats=2)
+    assert rate > 0
+
+
 def test_model_gemm_shapes_fuse_like_the_fast_forward():
     config = {"hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2,
               "intermediate_size": 4864, "num_hidden_layers": 2, "vocab_size": 151936}  # fmt: skip
