@@ -10,26 +10,12 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_build
-from tests.cpu_kernels import variant_ops
 from tests.kernels.test_cpu_ops import random_paged_batch
 from worker.backends.cpu import CpuAttentionBackend
 from worker.kv_quant import FORMATS, SCALE_ONE, dequantize, quantize, scale_bytes, scale_of
 
 THREADS = 2
 FORMAT_NAMES = list(FORMATS)
-
-
-@pytest.fixture(scope="module")
-def all_ops(tmp_path_factory):
-    return variant_ops(tmp_path_factory.mktemp("cpu-variants-kvq"))
-
-
-@pytest.fixture(params=[v.name for v in cpu_build.machine_variants()])
-def ops(request, all_ops):
-    if request.param not in all_ops:
-        pytest.skip(f"this CPU does not run the {request.param} variant (it runs {', '.join(all_ops)})")
-    return all_ops[request.param]
 
 
 def wide_range_values(shape, seed: int) -> torch.Tensor:
