@@ -131,6 +131,17 @@ static inline int64_t fill_rows(int64_t *rows, const int32_t *table, int64_t *bl
     return n;
 }
 
+/* Fetches `bytes` from the start of each of the n pool rows at element offsets rows[] (elements
+ * of `elem` bytes) in K and V: the next chunk's, while this one computes. */
+static inline void prefetch_rows(const void *k_cache, const void *v_cache, const int64_t *rows, int64_t n,
+                                 int64_t elem, int64_t bytes) {
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t line = 0; line < bytes; line += 64) {
+            __builtin_prefetch((const char *)k_cache + rows[j] * elem + line);
+            __builtin_prefetch((const char *)v_cache + rows[j] * elem + line);
+        }
+}
+
 /* Online-softmax attention of every query head of one token that sees keys 0..num_keys-1 of its
  * sequence. One work item per token, not per (token, head): each key's pool row (all kv heads,
  * contiguous) is read once, front to back, so the hardware prefetcher streams whole blocks; a
@@ -160,11 +171,7 @@ static ALWAYS_INLINE void attend_impl(
         /* The heads below read each row in per-head slices, a pattern the hardware prefetcher
          * follows poorly: fetch the next chunk's whole rows now, while this one computes. */
         n_next = fill_rows(next_rows, table, &block, &offset, num_keys - start - n, block_size, row_stride);
-        for (int64_t j = 0; j < n_next; ++j)
-            for (int64_t line = 0; line < row_stride * elem; line += 64) {
-                __builtin_prefetch((const char *)k_cache + next_rows[j] * elem + line);
-                __builtin_prefetch((const char *)v_cache + next_rows[j] * elem + line);
-            }
+        prefetch_rows(k_cache, v_cache, next_rows, n_next, elem, row_stride * elem);
         if (kv_is_quantized(dtype))
             for (int64_t c = 0; c < kv_heads; ++c)
                 key_scale_chunk(key_scales[c], value_scales[c], qs, rows, n, dim, c);

@@ -24,6 +24,7 @@
 
 #include "cpu_amx.h"
 #include "cpu_attention.h"
+#include "cpu_attention_decode.h" /* the key walk: fill_rows, prefetch_rows */
 #include "cpu_simd.h"
 
 #if PK_HAVE_AMX
@@ -111,17 +112,6 @@ static ALWAYS_INLINE void chunk_values(float *RESTRICT acc, const float *RESTRIC
     }
 }
 
-/* The pool offsets of the next min(remaining, KEY_CHUNK) keys (cpu_attention_decode.h's walk). */
-static inline int64_t next_rows(int64_t *rows, const int32_t *table, int64_t *block, int64_t *offset,
-                                int64_t remaining, int64_t block_size, int64_t row_stride) {
-    const int64_t n = remaining < KEY_CHUNK ? remaining : KEY_CHUNK;
-    for (int64_t j = 0; j < n; ++j) {
-        rows[j] = ((int64_t)table[*block] * block_size + *offset) * row_stride;
-        if (++*offset == block_size) *offset = 0, ++*block;
-    }
-    return n;
-}
-
 /* One kv head's group of nh query heads (q, out [nh, dim]) over keys [first_key, num_keys), a
  * chunk of KEY_CHUNK keys at a time: scores on the tiles, the online softmax across the head
  * lanes, then P V. The kv heads take their turns over the whole context (measured faster than
@@ -141,18 +131,14 @@ static ALWAYS_INLINE void attend_group(float *out, const float *q, const uint16_
     memset(acc, 0, (size_t)(nh * dim) * sizeof(float));
     for (int h = 0; h < 16; ++h) max_score[h] = -INFINITY, denom[h] = 0.f;
     int64_t block = first_key / block_size, offset = first_key % block_size;
-    int64_t n_ahead = next_rows(ahead, table, &block, &offset, num_keys - first_key, block_size, row_stride);
+    int64_t n_ahead = fill_rows(ahead, table, &block, &offset, num_keys - first_key, block_size, row_stride);
     for (int64_t start = first_key; start < num_keys; start += KEY_CHUNK) {
         const int64_t n = n_ahead;
         memcpy(rows, ahead, (size_t)n * sizeof(int64_t));
         /* a slice of each pool row is a pattern the hardware prefetcher follows poorly (without
          * these: 56.4 ms where the above took 36.0) */
-        n_ahead = next_rows(ahead, table, &block, &offset, num_keys - start - n, block_size, row_stride);
-        for (int64_t j = 0; j < n_ahead; ++j)
-            for (int64_t byte = 0; byte < dim * (int64_t)sizeof(uint16_t); byte += 64) {
-                __builtin_prefetch((const char *)(k_cache + ahead[j]) + byte);
-                __builtin_prefetch((const char *)(v_cache + ahead[j]) + byte);
-            }
+        n_ahead = fill_rows(ahead, table, &block, &offset, num_keys - start - n, block_size, row_stride);
+        prefetch_rows(k_cache, v_cache, ahead, n_ahead, sizeof(uint16_t), dim * (int64_t)sizeof(uint16_t));
         chunk_scores(scores, a, qb, k_cache, rows, n, dim, row_stride);
         for (int h = 0; h < 16; ++h) chunk_max[h] = max_score[h], sum[h] = 0.f;
         for (int64_t j = 0; j < n; ++j) {
