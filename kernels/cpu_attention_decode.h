@@ -68,11 +68,12 @@ static ALWAYS_INLINE void group_scores(float out[][KEY_CHUNK], const float *REST
     }
 }
 
-/* acc[h] = acc[h] * rescale[h] + sum_j p[h][j] V_j for the `nh` heads of one kv head, V rows
- * widened once per chunk (16-bit pools) into `widened`; each head's accumulator is held in
- * registers across the chunk, 64 columns at a time. dim % 16 == 0. */
-static ALWAYS_INLINE void group_accumulate(float *RESTRICT acc, const float p[][KEY_CHUNK],
-                                           const float *RESTRICT rescale, const void *RESTRICT values,
+/* acc[h] = acc[h] * rescale[h] + sum_j p_hj V_j for the `nh` heads of one kv head, p_hj at
+ * p[h * head_stride + j * key_stride] ([head][key] here, [key][head] in the AMX decode kernel),
+ * V rows widened once per chunk (16-bit pools) into `widened`; each head's accumulator is held
+ * in registers across the chunk, 64 columns at a time. dim % 16 == 0. */
+static ALWAYS_INLINE void group_accumulate(float *RESTRICT acc, const float *RESTRICT p, int64_t head_stride,
+                                           int64_t key_stride, const float *RESTRICT rescale, const void *RESTRICT values,
                                            const int64_t *RESTRICT rows, int64_t n, int64_t dim, int64_t nh,
                                            float *RESTRICT widened, const float *RESTRICT value_scales, int dtype) {
     const float *v_rows[KEY_CHUNK];
@@ -97,8 +98,10 @@ static ALWAYS_INLINE void group_accumulate(float *RESTRICT acc, const float p[][
             const int64_t width = dim - db < 64 ? (dim - db) / 16 : 4;
             v16 a[4];
             for (int64_t w = 0; w < width; ++w) a[w] = load16(ah + db + 16 * w) * rescale[h];
-            for (int64_t j = 0; j < n; ++j)
-                for (int64_t w = 0; w < width; ++w) a[w] += p[h][j] * load16(v_rows[j] + db + 16 * w);
+            for (int64_t j = 0; j < n; ++j) { /* widened rows by their address: no pointer load per key */
+                const float *vj = dtype == DT_F32 ? v_rows[j] : widened + j * dim;
+                for (int64_t w = 0; w < width; ++w) a[w] += p[h * head_stride + j * key_stride] * load16(vj + db + 16 * w);
+            }
             for (int64_t w = 0; w < width; ++w) store16(ah + db + 16 * w, a[w]);
         }
     }
@@ -133,7 +136,7 @@ static inline int64_t fill_rows(int64_t *rows, const int32_t *table, int64_t *bl
 
 /* Fetches `bytes` from the start of each of the n pool rows at element offsets rows[] (elements
  * of `elem` bytes) in K and V: the next chunk's, while this one computes. */
-static inline void prefetch_rows(const void *k_cache, const void *v_cache, const int64_t *rows, int64_t n,
+static ALWAYS_INLINE void prefetch_rows(const void *k_cache, const void *v_cache, const int64_t *rows, int64_t n,
                                  int64_t elem, int64_t bytes) {
     for (int64_t j = 0; j < n; ++j)
         for (int64_t line = 0; line < bytes; line += 64) {
@@ -208,8 +211,9 @@ static ALWAYS_INLINE void attend_impl(
             for (int64_t c = 0; c < kv_heads; ++c)
                 for (int64_t hb = 0; hb < group; hb += GROUP_BATCH) {
                     const int64_t h0 = c * group + hb, nh = group - hb < GROUP_BATCH ? group - hb : GROUP_BATCH;
-                    group_accumulate(acc + h0 * dim, scores + h0, rescale + h0, (const char *)v_cache + c * dim * elem,
-                                     rows, n, dim, nh, widened, value_scales[c], dtype);
+                    group_accumulate(acc + h0 * dim, scores[h0], KEY_CHUNK, 1, rescale + h0,
+                                     (const char *)v_cache + c * dim * elem, rows, n, dim, nh, widened,
+                                     value_scales[c], dtype);
                 }
         } else {
             for (int64_t h = 0; h < heads; ++h) {

@@ -24,7 +24,7 @@
 
 #include "cpu_amx.h"
 #include "cpu_attention.h"
-#include "cpu_attention_decode.h" /* the key walk: fill_rows, prefetch_rows */
+#include "cpu_attention_decode.h" /* the key walk and P V: fill_rows, prefetch_rows, group_accumulate */
 #include "cpu_simd.h"
 
 #if PK_HAVE_AMX
@@ -92,26 +92,6 @@ static ALWAYS_INLINE void chunk_scores(float *scores, uint16_t *a, const uint16_
     _tile_stored(0, scores, 16 * sizeof(float));
 }
 
-/* acc[h] = acc[h] * rescale[h] + sum_j p[j][h] V_j for heads h < nh, each V row widened once. */
-static ALWAYS_INLINE void chunk_values(float *RESTRICT acc, const float *RESTRICT p, const float *RESTRICT rescale,
-                                       const uint16_t *RESTRICT values, const int64_t *RESTRICT rows, int64_t n,
-                                       int64_t dim, int64_t nh, float *RESTRICT widened) {
-    for (int64_t j = 0; j < n; ++j)
-        for (int64_t v = 0; v < dim / 16; ++v)
-            store16(widened + j * dim + 16 * v, load16_as(values, rows[j] + 16 * v, DT_BF16));
-    for (int64_t h = 0; h < nh; ++h) {
-        float *ah = acc + h * dim;
-        for (int64_t db = 0; db < dim; db += 64) {
-            const int64_t width = dim - db < 64 ? (dim - db) / 16 : 4;
-            v16 a[4];
-            for (int64_t w = 0; w < width; ++w) a[w] = load16(ah + db + 16 * w) * rescale[h];
-            for (int64_t j = 0; j < n; ++j)
-                for (int64_t w = 0; w < width; ++w) a[w] += p[j * 16 + h] * load16(widened + j * dim + db + 16 * w);
-            for (int64_t w = 0; w < width; ++w) store16(ah + db + 16 * w, a[w]);
-        }
-    }
-}
-
 /* One kv head's group of nh query heads (q, out [nh, dim]) over keys [first_key, num_keys), a
  * chunk of KEY_CHUNK keys at a time: scores on the tiles, the online softmax across the head
  * lanes, then P V. The kv heads take their turns over the whole context (measured faster than
@@ -161,7 +141,7 @@ static ALWAYS_INLINE void attend_group(float *out, const float *q, const uint16_
         }
 #pragma omp simd
         for (int h = 0; h < 16; ++h) denom[h] = denom[h] * rescale[h] + sum[h], max_score[h] = chunk_max[h];
-        chunk_values(acc, scores, rescale, v_cache, rows, n, dim, nh, widened);
+        group_accumulate(acc, scores, 1, 16, rescale, v_cache, rows, n, dim, nh, widened, NULL, DT_BF16);
     }
     for (int64_t h = 0; h < nh; ++h) {
         const float inv = num_keys > first_key ? 1.f / denom[h] : 0.f;
