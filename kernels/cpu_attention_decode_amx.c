@@ -3,14 +3,15 @@
  *
  * Why the tiles pay at decode, where a row has one token: the query heads of a GQA group share
  * their keys, so S^T = K Q^T is a real [16 keys x group heads] product. K is the A operand
- * straight from the pool rows (16 keys x 32 dims a tile: a copy of 16 rows, no transposition),
- * the group's q the B operand (16 heads x 32 dims in k pairs, packed once per row). The AVX-512
+ * straight from the pool rows (16 keys x 32 dims a tile, in place when the 16 keys are
+ * consecutive slots, else a copy of the rows: never a transposition), the group's q the B
+ * operand (16 heads x 32 dims in k pairs, packed once per row). The AVX-512
  * kernel (cpu_attention_decode.h) spends most of its time reducing 16-lane partial dot products
  * (sum16); the tiles reduce in the matrix unit.
  *
  * The scores come out as [key][head], so the online softmax runs across the heads' lanes (one
- * vector per key: max, exp, sum), and P V accumulates per head in fp32 on AVX-512 with each key's
- * V row widened once, as the AVX-512 kernel does.
+ * vector per key: max, exp, sum), and P V is the AVX-512 kernel's own (group_accumulate: fp32
+ * per head, each key's V row widened once).
  *
  * Numerics, the fp32 kernel's: K is bf16 in the pool; q goes into the tiles as TERMS bf16 parts
  * (hi + mid + lo: the 24 bits of fp32's mantissa, cpu_attention_amx.c's split), each part one
@@ -116,7 +117,7 @@ static ALWAYS_INLINE void attend_group(float *out, const float *q, const uint16_
         const int64_t n = n_ahead;
         memcpy(rows, ahead, (size_t)n * sizeof(int64_t));
         /* a slice of each pool row is a pattern the hardware prefetcher follows poorly (without
-         * these: 56.4 ms where the above took 36.0) */
+         * these: 56.4 ms instead of 36.0 for the cold 512-key case above) */
         n_ahead = fill_rows(ahead, table, &block, &offset, num_keys - start - n, block_size, row_stride);
         prefetch_rows(k_cache, v_cache, ahead, n_ahead, sizeof(uint16_t), dim * (int64_t)sizeof(uint16_t));
         chunk_scores(scores, a, qb, k_cache, rows, n, dim, row_stride);
