@@ -222,7 +222,7 @@ static void gate_up_silu_chunk(uint16_t *act16, const uint16_t *a16, int64_t lda
                     const float *g = gate + (row + r) * 32, *u = up + r * 32;
                     float o[32];
 #pragma omp simd
-                    for (int j = 0; j < 32; ++j) o[j] = g[j] / (1.f + exp_approx(-g[j])) * u[j];
+                    for (int j = 0; j < 32; ++j) o[j] = silu_times(g[j], u[j]);
                     uint16_t *dst = act16 + (row + r) * inner + col;
                     store16_bf16(dst, load16(o));
                     store16_bf16(dst + 16, load16(o + 16));

@@ -127,7 +127,7 @@ void silu_mul(float *out, const float *gate_up, int64_t rows, int64_t inner, int
         const float *g = gate_up + r * 2 * inner, *u = g + inner;
         float *o = out + r * inner;
 #pragma omp simd
-        for (int64_t i = 0; i < inner; ++i) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+        for (int64_t i = 0; i < inner; ++i) o[i] = silu_times(g[i], u[i]);
     }
 }
 

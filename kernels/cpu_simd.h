@@ -243,4 +243,10 @@ static inline float exp_approx(float x) {
     return p * scale.f;
 }
 
+/* silu(g) * u: the one form every SiLU kernel uses (cpu_ops.c's silu_mul, the fused AMX MLP
+ * pass in cpu_gemm_amx.c), so that the fused pass and the three kernels give the same bits. */
+static inline float silu_times(float g, float u) {
+    return g / (1.f + exp_approx(-g)) * u;
+}
+
 #endif
