@@ -86,9 +86,8 @@ def main(rank: int, size: int, init: str, threads: int, model: str, steps: int, 
                 leader.stop()
             figures["transport"] = group.transport
         finally:
-            # Every rank leaves together and tears gloo down before the interpreter does: a rank
-            # that exited while its peer was still in a collective died of SIGABRT ("terminate
-            # called without an active exception") in gloo's destructor.
+            # Every rank leaves together (none tears its connections down while a peer is still
+            # in a collective); close() then joins gloo's threads before the interpreter ends.
             dist.barrier()
             group.close()
         if rank != 0:

@@ -78,7 +78,8 @@ int paged_attention_rows(float *out, const float *query, const void *k_cache, co
     for (int64_t s = 0; s < num_seqs; ++s) {
         if (tiled[s]) continue;
         int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
-        count += by_tile(decode_tiles, tiles_ok, q_len, group) ? kv_heads * ((q_len + tile_tokens - 1) / tile_tokens) : q_len;
+        count += by_tile(decode_tiles, tiles_ok, q_len, group) ? kv_heads * ((q_len + tile_tokens - 1) / tile_tokens)
+                                                               : q_len;
     }
     WorkItem *items = malloc((size_t)(count > 0 ? count : 1) * sizeof(WorkItem));
     if (!items) {

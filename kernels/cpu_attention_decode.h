@@ -73,9 +73,10 @@ static ALWAYS_INLINE void group_scores(float out[][KEY_CHUNK], const float *REST
  * V rows widened once per chunk (16-bit pools) into `widened`; each head's accumulator is held
  * in registers across the chunk, 64 columns at a time. dim % 16 == 0. */
 static ALWAYS_INLINE void group_accumulate(float *RESTRICT acc, const float *RESTRICT p, int64_t head_stride,
-                                           int64_t key_stride, const float *RESTRICT rescale, const void *RESTRICT values,
-                                           const int64_t *RESTRICT rows, int64_t n, int64_t dim, int64_t nh,
-                                           float *RESTRICT widened, const float *RESTRICT value_scales, int dtype) {
+                                           int64_t key_stride, const float *RESTRICT rescale,
+                                           const void *RESTRICT values, const int64_t *RESTRICT rows, int64_t n,
+                                           int64_t dim, int64_t nh, float *RESTRICT widened,
+                                           const float *RESTRICT value_scales, int dtype) {
     const float *v_rows[KEY_CHUNK];
     for (int64_t j = 0; j < n; ++j) {
         if (dtype == DT_F32) {
@@ -100,7 +101,8 @@ static ALWAYS_INLINE void group_accumulate(float *RESTRICT acc, const float *RES
             for (int64_t w = 0; w < width; ++w) a[w] = load16(ah + db + 16 * w) * rescale[h];
             for (int64_t j = 0; j < n; ++j) { /* widened rows by their address: no pointer load per key */
                 const float *vj = dtype == DT_F32 ? v_rows[j] : widened + j * dim;
-                for (int64_t w = 0; w < width; ++w) a[w] += p[h * head_stride + j * key_stride] * load16(vj + db + 16 * w);
+                const float pj = p[h * head_stride + j * key_stride];
+                for (int64_t w = 0; w < width; ++w) a[w] += pj * load16(vj + db + 16 * w);
             }
             for (int64_t w = 0; w < width; ++w) store16(ah + db + 16 * w, a[w]);
         }
@@ -137,7 +139,7 @@ static inline int64_t fill_rows(int64_t *rows, const int32_t *table, int64_t *bl
 /* Fetches `bytes` from the start of each of the n pool rows at element offsets rows[] (elements
  * of `elem` bytes) in K and V: the next chunk's, while this one computes. */
 static ALWAYS_INLINE void prefetch_rows(const void *k_cache, const void *v_cache, const int64_t *rows, int64_t n,
-                                 int64_t elem, int64_t bytes) {
+                                        int64_t elem, int64_t bytes) {
     for (int64_t j = 0; j < n; ++j)
         for (int64_t line = 0; line < bytes; line += 64) {
             __builtin_prefetch((const char *)k_cache + rows[j] * elem + line);
