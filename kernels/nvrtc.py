@@ -58,7 +58,14 @@ class CompiledProgram:
     log: str
 
     def resources_of(self, name_expression: str) -> ResourceUsage:
-        return self.resources[self.lowered_names[name_expression]]
+        lowered = self.lowered_names[name_expression]
+        try:
+            return self.resources[lowered]
+        except KeyError:  # the log is what tells why: a format this parser does not know
+            raise KeyError(
+                f"ptxas -v reported no resources for {name_expression} ({lowered}) on {self.arch}; "
+                f"parsed entries: {sorted(self.resources)}; NVRTC log: {self.log[:1500]!r}"
+            ) from None
 
 
 def nvrtc_version() -> tuple[int, int]:
