@@ -7,7 +7,8 @@ driver are needed: CI compiles every instantiation for sm_87 and sm_90 on a CPU 
 
 The sources include no CUDA headers (see kernels/common.cuh), so NVRTC is the only CUDA
 component needed at build time. ptxas runs with `-v`; its report (registers, shared
-memory, spills, stack) is parsed into `ResourceUsage` per kernel, available without a GPU.
+memory, spills, stack) is parsed into `ResourceUsage` per kernel, available without a GPU;
+a kernel the log does not report is read from the cubin's own tables (kernels.cubin_info).
 
 A failed compile raises `KernelCompileError` carrying the full NVRTC log.
 """
@@ -15,7 +16,7 @@ A failed compile raises `KernelCompileError` carrying the full NVRTC log.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 MIN_ARCH = 80  # cp.async, ldmatrix, bf16 mma and cvt.rn.bf16 need sm_80 or newer
@@ -40,9 +41,14 @@ class ResourceUsage:
     stack_frame: int
     spill_stores: int
     spill_loads: int
+    # False: read from the cubin (kernels.cubin_info) because the log lacked this kernel; the
+    # spill counts are then unknown and any stack frame is taken as a possible spill.
+    from_log: bool = True
 
     @property
     def spills(self) -> bool:
+        if not self.from_log:
+            return self.stack_frame > 0
         return self.spill_stores > 0 or self.spill_loads > 0
 
 
@@ -135,7 +141,23 @@ def compile_source(
         cubin = _cubin(nvrtc, prog)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    return CompiledProgram(arch, cubin, lowered, parse_ptxas_log(log), log)
+    return CompiledProgram(arch, cubin, lowered, program_resources(log, cubin, lowered.values()), log)
+
+
+def program_resources(log: str, cubin: bytes, kernels: Iterable[str]) -> dict[str, ResourceUsage]:
+    """ptxas's report from the log, and from the cubin for any kernel the log lacks (NVRTC 13.0
+    on an H200 returned empty logs for some compiles; docs/GPU_VALIDATION.md)."""
+    usage = parse_ptxas_log(log)
+    missing = [k for k in kernels if k not in usage]
+    if missing:
+        from kernels.cubin_info import kernel_resources  # noqa: PLC0415 -- the rare path
+
+        table = kernel_resources(cubin)
+        for name in missing:
+            if name in table:
+                k = table[name]
+                usage[name] = ResourceUsage(k.registers, k.static_smem, k.stack_frame, 0, 0, from_log=False)
+    return usage
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -165,7 +187,7 @@ def parse_ptxas_log(log: str) -> dict[str, ResourceUsage]:
 def _program_log(nvrtc, prog) -> str:
     err, size = nvrtc.nvrtcGetProgramLogSize(prog)
     _check(err, "nvrtcGetProgramLogSize")
-    buffer = b" " * size
+    buffer = bytes(size)  # not b" " * size: at size 1 (an empty log) that is the shared b" "
     (err,) = nvrtc.nvrtcGetProgramLog(prog, buffer)
     _check(err, "nvrtcGetProgramLog")
     return buffer.rstrip(b"\0").decode(errors="replace")
@@ -174,7 +196,7 @@ def _program_log(nvrtc, prog) -> str:
 def _cubin(nvrtc, prog) -> bytes:
     err, size = nvrtc.nvrtcGetCUBINSize(prog)
     _check(err, "nvrtcGetCUBINSize")
-    buffer = b" " * size
+    buffer = bytes(size)
     (err,) = nvrtc.nvrtcGetCUBIN(prog, buffer)
     _check(err, "nvrtcGetCUBIN")
     return bytes(buffer)

@@ -8,7 +8,9 @@ import pytest
 
 from kernels.build import compile_program
 from kernels.cubin_cache import CubinCache
+from kernels.cubin_info import kernel_resources
 from kernels.launch import DEFAULT_DYNAMIC_SMEM_LIMIT, MAX_PARTITION_TOKENS
+from kernels.nvrtc import ResourceUsage, program_resources
 from kernels.specs import cache_ops_program, decode_smem_bytes, prefill_smem_bytes
 from tests.kernels.conftest import record_resource_table
 from tests.kernels.instantiations import ARCHS, all_programs
@@ -106,3 +108,42 @@ def test_cache_key_covers_the_base_nvrtc_options(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="stop before compiling"):
         compile_program(cache_ops_program("float16"), "sm_87", CubinCache(tmp_path), options=("-lineinfo",))
     assert tuple(seen[0]) == (*BASE_OPTIONS, "-lineinfo")
+
+
+def test_the_cubins_own_tables_agree_with_ptxas_for_every_kernel(compiled_programs):
+    """kernels.cubin_info, the fallback for a kernel an empty NVRTC log does not report, reads
+    the same registers, stack frame and static shared memory as ptxas -v for every kernel."""
+    checked = 0
+    for (spec, arch), program in compiled_programs.items():
+        table = kernel_resources(program.cubin)
+        for lowered, usage in program.resources.items():
+            got = table[lowered]
+            assert (got.registers, got.stack_frame, got.static_smem) == (
+                usage.registers,
+                usage.stack_frame,
+                usage.static_smem,
+            ), f"{spec.label} on {arch}: {lowered}"
+            checked += 1
+    assert checked == sum(len(s.name_expressions) for s, _ in compiled_programs)
+
+
+def test_an_empty_log_takes_the_resources_from_the_cubin(compiled_programs):
+    (spec, arch), program = next(iter(compiled_programs.items()))
+    lowered = list(program.lowered_names.values())
+    usage = program_resources("", program.cubin, lowered)
+    assert sorted(usage) == sorted(lowered)
+    for name in lowered:
+        logged, read = program.resources[name], usage[name]
+        assert not read.from_log and logged.from_log
+        assert (read.registers, read.stack_frame, read.static_smem) == (
+            logged.registers,
+            logged.stack_frame,
+            logged.static_smem,
+        )
+        assert read.spills == (read.stack_frame > 0)  # spill counts unknown: a frame may be one
+
+    def usage_of(frame: int, from_log: bool) -> ResourceUsage:
+        return ResourceUsage(32, 1024, frame, 0, 0, from_log=from_log)
+
+    assert not usage_of(0, from_log=False).spills and not usage_of(8, from_log=True).spills
+    assert usage_of(8, from_log=False).spills
