@@ -307,8 +307,10 @@ __device__ __forceinline__ void prefill_tile(T* __restrict__ out, const T* __res
 }
 
 // out [rows, num_heads, HD] (contiguous); query [rows, num_heads, HD] with row stride q_stride.
+// Launch bounds name 1 block per SM as the minimum: without it NVRTC 13.0 (the H200 image's)
+// caps registers at 128 (HD 64) and 168 (HD 128) and spills 4-8 bytes; 13.5 spills neither way.
 template <typename T, int HD, int BS>
-__global__ void __launch_bounds__(PrefillConfig<HD>::kThreads)
+__global__ void __launch_bounds__(PrefillConfig<HD>::kThreads, 1)
     prefill_attention_kernel(T* __restrict__ out, const T* __restrict__ query, i64 q_stride,
                              const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                              const int* __restrict__ block_tables, int table_stride,
@@ -321,7 +323,7 @@ __global__ void __launch_bounds__(PrefillConfig<HD>::kThreads)
 // Quantized pools (issue 31): the same arguments, then the scale bytes [slots, num_kv_heads]
 // and the per-tensor scales (1 when computed).
 template <typename T, typename KV, int HD, int BS>
-__global__ void __launch_bounds__(PrefillConfig<HD>::kThreads)
+__global__ void __launch_bounds__(PrefillConfig<HD>::kThreads, 1)
     prefill_attention_quant_kernel(T* __restrict__ out, const T* __restrict__ query, i64 q_stride,
                                    const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
                                    const int* __restrict__ block_tables, int table_stride,
