@@ -210,7 +210,9 @@ def packed_gemm_gflops(
     return _gflops_over_shapes(shapes, rows, make_run, repeats)
 
 
-def streaming_gemm_gflops(shapes: list[tuple[int, int]], dtype="bfloat16", rows: int = 64, repeats: int = 3) -> float:
+def streaming_gemm_gflops(
+    shapes: list[tuple[int, int]], dtype="bfloat16", rows: int = 64, repeats: int = 3
+) -> float:
     """GFLOP/s of oneDNN's prepacked GEMM over one distinct weight per entry of `shapes`, run in
     order as a forward runs its linears: a model's weights larger than the caches stream from
     memory once per step. packed_gemm_gflops repeats one weight per shape, which stays in cache,

@@ -83,7 +83,9 @@ def summary(results: dict) -> str:
     lines = [
         f"device {results['device']} ({results['arch']}, {results['sms']} SMs, "
         f"L2 {results['l2_bytes'] >> 20} MiB)",
-        f"copy bandwidth: {fmt(copy.get('gb_per_s'), '.0f')} GB/s (read + write, {copy.get('method', '-')})",
+        f"copy bandwidth: {fmt(copy.get('gb_per_s'), '.0f')} GB/s (read + write, {copy.get('method', '-')}; "
+        f"memcpy {fmt(copy.get('memcpy_gb_per_s'), '.0f')}, "
+        f"kernel {fmt(copy.get('kernel_gb_per_s'), '.0f')})",
         "launch overhead (host us per call): " + ", ".join(f"{k} {fmt(v, '.2f')}" for k, v in launch.items()),
         "",
     ]
