@@ -238,10 +238,10 @@ def test_engine_fuzz_on_tp2_equals_one_worker_with_no_leak(tp2, jobs):
     assert preemptions > 0, "the tight pools were meant to preempt"
 
 
-def test_bf16_teacher_forced_top1_agreement_on_tp2_is_at_least_one_workers(tp2, jobs, bf16_model):
+def test_bf16_teacher_forced_top1_agreement_on_tp2_matches_one_workers(tp2, jobs, bf16_model):
     """bf16 weights on the fast forward, fed 12 x 96 positions, against transformers in fp32 on
-    the same weights: TP=2's top-1 agreement is at least TP=1's, its mean logit error within 1 %
-    of TP=1's, and both beat transformers' own bf16 run. TP adds no rounding of its own (the
+    the same weights: TP=2's top-1 agreement is TP=1's within two positions, its mean logit
+    error within 1 % of TP=1's, and both beat transformers' own bf16 run. TP adds no rounding of its own (the
     all-reduce sums fp32 activations), but the GEMMs round their input rows to bf16, so a 1-ulp
     fp32 difference from the all-reduce's summation order sometimes crosses a bf16 rounding
     boundary: TP=2's logits differ from TP=1's by ~1.5e-2 at most (measured), and near-ties flip
@@ -264,6 +264,8 @@ def test_bf16_teacher_forced_top1_agreement_on_tp2_is_at_least_one_workers(tp2, 
     errors = f"TP=2 {mean_error(ours):.5f}, TP=1 {mean_error(theirs):.5f}, HF bf16 {mean_error(hf_bf16):.5f}"
     print(f"bf16 teacher-forced, {fp32.shape[0]} positions: top-1 agreement with fp32 {agreement}; "
           f"mean |error| {errors}; max |TP=2 - TP=1| {(ours - theirs).abs().max().item():.2e}")  # fmt: skip
-    assert top1(ours) >= top1(theirs)
+    # Near-ties flip either way: on an AMD EPYC (avx512bf16 kernels) TP=2 lost one position of
+    # 1152 to TP=1, on the Intel AMX host none. Two flips are allowed, not a trend.
+    assert top1(ours) >= top1(theirs) - 2 / fp32.shape[0]
     assert mean_error(ours) <= 1.01 * mean_error(theirs)
     assert top1(ours) >= top1(hf_bf16) and mean_error(ours) <= mean_error(hf_bf16)
