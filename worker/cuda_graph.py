@@ -210,6 +210,11 @@ class DecodeGraphRunner:
         self.static = StaticDecodeInputs(max_batch, blocks_needed(max_model_len, self.block_size), device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
+        # One warm-up stream for every capture: torch gives each stream that runs a GEMM its
+        # own cuBLAS workspace (32 MiB on sm_90) for the rest of the process, and a new stream
+        # per capture walked its pool of 32. Suspected cause of the ~0.5 GiB each CUDA worker
+        # left behind on the H200 (docs/GPU_VALIDATION.md).
+        self._warmup_stream: torch.cuda.Stream | None = None
         self.num_replays = 0  # decode steps served by a replay (tests check the graphs ran)
 
     def accepts(self, seqs: Sequence[ScheduledSequence]) -> bool:
@@ -289,7 +294,9 @@ class DecodeGraphRunner:
     def _capture_inference(self, bucket: int, context: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         self.static.pad(bucket)
         current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        if self._warmup_stream is None:
+            self._warmup_stream = torch.cuda.Stream(self.device)
+        side = self._warmup_stream
         side.wait_stream(current)
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):

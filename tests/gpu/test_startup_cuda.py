@@ -87,3 +87,23 @@ def test_a_forced_mismatch_serves_eager_or_refuses(monkeypatch):
     assert "self-check mismatch" in facts.cuda_graphs_reason
     with pytest.raises(WorkerConfigError, match="--cuda-graph require: self-check mismatch"):
         Worker(WorkerConfig(device="cuda", num_blocks=256, cuda_graph="require"))
+
+
+def test_a_dropped_worker_leaves_at_most_one_streams_workspace_behind():
+    """Successive CUDA workers in one process (the H200's gpu-startup.json: 14 -> 551 -> 1031
+    MiB of "weights" for one tiny model) must not accumulate device memory: after the first
+    worker's one-time allocations, each later one may leave only its warm-up stream's cuBLAS
+    workspace (torch keeps one per stream for the process)."""
+
+    def start_and_drop() -> int:
+        worker = Worker(WorkerConfig(device="cuda", num_blocks=256, cuda_graph="require"))
+        assert worker.decode_graphs is not None and worker.decode_graphs.num_captured > 1
+        del worker
+        gc.collect()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    baseline = start_and_drop()
+    after = [start_and_drop() for _ in range(2)]
+    print(f"\nallocated after each dropped worker: {baseline >> 20} MiB, then {[a >> 20 for a in after]} MiB")
+    assert max(after) - baseline <= 2 * (64 << 20)
