@@ -89,11 +89,12 @@ def test_a_forced_mismatch_serves_eager_or_refuses(monkeypatch):
         Worker(WorkerConfig(device="cuda", num_blocks=256, cuda_graph="require"))
 
 
-def test_a_dropped_worker_leaves_at_most_one_streams_workspace_behind():
+def test_a_dropped_worker_leaves_only_its_warmup_streams_workspaces_behind():
     """Successive CUDA workers in one process (the H200's gpu-startup.json: 14 -> 551 -> 1031
     MiB of "weights" for one tiny model) must not accumulate device memory: after the first
-    worker's one-time allocations, each later one may leave only its warm-up stream's cuBLAS
-    workspace (torch keeps one per stream for the process)."""
+    worker's one-time allocations, each later one may leave only its two runners' warm-up
+    streams' cuBLAS workspaces (torch keeps one per stream, 32 MiB on sm_90, for the process).
+    A new stream per capture left ~16 of them per worker until torch's pool of 32 wrapped."""
 
     def start_and_drop() -> int:
         worker = Worker(WorkerConfig(device="cuda", num_blocks=256, cuda_graph="require"))
@@ -106,4 +107,4 @@ def test_a_dropped_worker_leaves_at_most_one_streams_workspace_behind():
     baseline = start_and_drop()
     after = [start_and_drop() for _ in range(2)]
     print(f"\nallocated after each dropped worker: {baseline >> 20} MiB, then {[a >> 20 for a in after]} MiB")
-    assert max(after) - baseline <= 2 * (64 << 20)
+    assert max(after) - baseline <= 2 * 2 * (64 << 20)  # 2 workers x 2 streams, 2x slack
