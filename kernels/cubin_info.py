@@ -17,13 +17,15 @@ a pad, HVAL a u16; SVAL a u16 size and that many bytes (for the two above: u32 s
 u32 value). Entries are 4-byte aligned.
 
 Spill counts are not in the cubin: spills live in the stack frame, so a kernel with a zero
-frame has none, and one with a frame may (the caller treats the frame as a possible spill).
+frame has none, and one with a frame may (`ResourceUsage.from_log` False: its `spills` counts
+the frame as a possible spill).
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+
+from kernels.nvrtc import ResourceUsage
 
 EIATTR_FRAME_SIZE = 0x11
 EIATTR_REGCOUNT = 0x2F
@@ -31,13 +33,6 @@ EIFMT_NVAL, EIFMT_BVAL, EIFMT_HVAL, EIFMT_SVAL = 1, 2, 3, 4
 SHT_SYMTAB = 2
 RESERVED_SMEM_BYTES = 1024
 ELF_MAGIC = b"\x7fELF"
-
-
-@dataclass(frozen=True, slots=True)
-class CubinKernel:
-    registers: int
-    stack_frame: int
-    static_smem: int
 
 
 def _sections(cubin: bytes) -> list[tuple[str, int, int, int, int]]:
@@ -84,8 +79,9 @@ def _attributes(data: bytes):
             raise ValueError(f"unknown .nv.info entry format {fmt} at byte {at}")
 
 
-def kernel_resources(cubin: bytes) -> dict[str, CubinKernel]:
-    """Lowered kernel name -> its registers, stack frame and static shared memory."""
+def kernel_resources(cubin: bytes) -> dict[str, ResourceUsage]:
+    """Lowered kernel name -> its registers, static shared memory and stack frame (spill counts
+    0 and `from_log` False: unknown here)."""
     sections = _sections(cubin)
     symbols = _symbol_names(cubin, sections)
     by_name = {s[0]: s for s in sections}
@@ -104,5 +100,5 @@ def kernel_resources(cubin: bytes) -> dict[str, CubinKernel]:
         name = symbols[symbol]
         shared = by_name.get(f".nv.shared.{name}")
         static = max(shared[3] - reserved, 0) if shared else 0
-        out[name] = CubinKernel(count, frames.get(symbol, 0), static)
+        out[name] = ResourceUsage(count, static, frames.get(symbol, 0), 0, 0, from_log=False)
     return out

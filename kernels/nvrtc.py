@@ -150,13 +150,10 @@ def program_resources(log: str, cubin: bytes, kernels: Iterable[str]) -> dict[st
     usage = parse_ptxas_log(log)
     missing = [k for k in kernels if k not in usage]
     if missing:
-        from kernels.cubin_info import kernel_resources  # noqa: PLC0415 -- the rare path
+        from kernels.cubin_info import kernel_resources  # noqa: PLC0415 -- the rare path (and a cycle)
 
         table = kernel_resources(cubin)
-        for name in missing:
-            if name in table:
-                k = table[name]
-                usage[name] = ResourceUsage(k.registers, k.static_smem, k.stack_frame, 0, 0, from_log=False)
+        usage.update({name: table[name] for name in missing if name in table})
     return usage
 
 
