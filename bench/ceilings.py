@@ -203,11 +203,23 @@ def packed_gemm_gflops(
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
     def make_run(n: int, k: int):
-        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(dtype), PACKING_BATCH_HINT)
-        x = torch.randn(rows, k).to(dtype)
-        return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        packed, x = _packed_weight(n, k, dtype), torch.randn(rows, k).to(dtype)
+        return lambda: _packed_linear(x, packed)
 
     return _gflops_over_shapes(shapes, rows, make_run, repeats)
+
+
+def _packed_weight(n: int, k: int, dtype):
+    """A random W[n, k] in oneDNN's prepacked layout (the best GEMM torch has on a CPU)."""
+    import torch
+
+    return torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(dtype), PACKING_BATCH_HINT)
+
+
+def _packed_linear(x, packed):
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def streaming_gemm_gflops(
@@ -221,15 +233,12 @@ def streaming_gemm_gflops(
 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with torch.inference_mode():
-        weights = [
-            torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(dtype), PACKING_BATCH_HINT)
-            for n, k in shapes
-        ]
+        weights = [_packed_weight(n, k, dtype) for n, k in shapes]
         inputs = {k: torch.randn(rows, k).to(dtype) for _, k in shapes}
 
         def one_pass():
             for (_, k), w in zip(shapes, weights, strict=True):
-                torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
+                _packed_linear(inputs[k], w)
 
         seconds = best_seconds(one_pass, repeats)
     return 2.0 * rows * sum(n * k for n, k in shapes) / seconds / 1e9

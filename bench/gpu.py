@@ -107,9 +107,9 @@ def copy_bandwidth(timer: Timer) -> dict:
     while the decode kernel read K/V at 4.4 TB/s: a ceiling the kernels exceed measures nothing."""
     src = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
-    memcpy_ms, method = timer.per_call_ms(repeated([lambda: dst.copy_(src)]))
-    kernel_ms, _ = timer.per_call_ms(repeated([lambda: torch.mul(src, 1.0, out=dst)]))
-    ms = min(memcpy_ms, kernel_ms)
+    memcpy_ms, memcpy_method = timer.per_call_ms(repeated([lambda: dst.copy_(src)]))
+    kernel_ms, kernel_method = timer.per_call_ms(repeated([lambda: torch.mul(src, 1.0, out=dst)]))
+    ms, method = min((memcpy_ms, memcpy_method), (kernel_ms, kernel_method))
     return {
         "bytes": COPY_BYTES,
         "ms": ms,
