@@ -27,7 +27,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kernels.cache_dir import default_cache_dir
-from kernels.nvrtc import CompiledProgram, ResourceUsage
+from kernels.nvrtc import CompiledProgram
+from kernels.resources import ResourceUsage
 
 FORMAT_VERSION = 1
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import struct
 
-from kernels.nvrtc import ResourceUsage
+from kernels.resources import ResourceUsage
 
 EIATTR_FRAME_SIZE = 0x11
 EIATTR_REGCOUNT = 0x2F

@@ -19,6 +19,9 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from kernels.cubin_info import kernel_resources
+from kernels.resources import ResourceUsage
+
 MIN_ARCH = 80  # cp.async, ldmatrix, bf16 mma and cvt.rn.bf16 need sm_80 or newer
 BASE_OPTIONS = ("-std=c++17", "--ptxas-options=-v")
 
@@ -29,27 +32,6 @@ class KernelCompileError(RuntimeError):
     def __init__(self, message: str, log: str = "") -> None:
         super().__init__(f"{message}\n--- NVRTC log ---\n{log}" if log else message)
         self.log = log
-
-
-@dataclass(frozen=True, slots=True)
-class ResourceUsage:
-    """ptxas's report for one kernel. `static_smem` excludes dynamic shared memory, which the
-    launcher sizes (see kernels.specs)."""
-
-    registers: int
-    static_smem: int
-    stack_frame: int
-    spill_stores: int
-    spill_loads: int
-    # False: read from the cubin (kernels.cubin_info) because the log lacked this kernel; the
-    # spill counts are then unknown and any stack frame is taken as a possible spill.
-    from_log: bool = True
-
-    @property
-    def spills(self) -> bool:
-        if not self.from_log:
-            return self.stack_frame > 0
-        return self.spill_stores > 0 or self.spill_loads > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +132,6 @@ def program_resources(log: str, cubin: bytes, kernels: Iterable[str]) -> dict[st
     usage = parse_ptxas_log(log)
     missing = [k for k in kernels if k not in usage]
     if missing:
-        from kernels.cubin_info import kernel_resources  # noqa: PLC0415 -- the rare path (and a cycle)
-
         table = kernel_resources(cubin)
         usage.update({name: table[name] for name in missing if name in table})
     return usage

@@ -10,7 +10,8 @@ from kernels.build import compile_program
 from kernels.cubin_cache import CubinCache
 from kernels.cubin_info import kernel_resources
 from kernels.launch import DEFAULT_DYNAMIC_SMEM_LIMIT, MAX_PARTITION_TOKENS
-from kernels.nvrtc import ResourceUsage, program_resources
+from kernels.nvrtc import program_resources
+from kernels.resources import ResourceUsage
 from kernels.specs import cache_ops_program, decode_smem_bytes, prefill_smem_bytes
 from tests.kernels.conftest import record_resource_table
 from tests.kernels.instantiations import ARCHS, all_programs
