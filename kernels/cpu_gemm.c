@@ -30,6 +30,9 @@
 #define NR 64          /* output columns per panel */
 #define KC_F32 256     /* K rows per cache block: 256 x 64 x 4 B = 64 KiB of W (L2) */
 #define KC_16 512      /* 16-bit weights: 64 KiB too */
+#ifndef PK_GEMM_AHEAD
+#define PK_GEMM_AHEAD 1 /* prefetch the next K chunk (below); 0 builds the A/B's control */
+#endif
 
 /* Register tile per ISA: MR rows x NV vectors of 16 columns. NV x 16 < 64 walks the panel's
  * 64 columns in NR / (16 NV) groups. Chosen so accumulators + W vectors + broadcasts fit in
@@ -51,6 +54,24 @@
 #define NV 1
 #define MR_PAIRS 1
 #endif
+
+/* -- the next K chunk, prefetched ------------------------------------------------------------------
+ * A batch reads each K chunk of a panel (64 KiB) once from memory, for its first row tile, and
+ * from L2 for every later one. The hardware prefetcher loses the stream at each rewind to the
+ * chunk's start, so without help the first tile of every chunk waits on memory while the
+ * core's math units idle. The next chunk lies right after this one (panels are contiguous), so
+ * the tiles of this chunk pull it into L2 a few lines per k step. A single row tile (M <= MR)
+ * reads the stream once, which the hardware prefetcher follows: `left` stays 0 there. */
+typedef struct {
+    const char *line; /* the next line to prefetch */
+    int64_t left;     /* lines still to prefetch */
+    int per_step;     /* lines per k step */
+} Ahead;
+
+static ALWAYS_INLINE void ahead_step(Ahead *ah) {
+    for (int l = 0; l < ah->per_step && ah->left > 0; ++l, --ah->left, ah->line += 64)
+        __builtin_prefetch(ah->line, 0, 2); /* into L2: into L1 it evicts the tiles' own lines */
+}
 
 /* -- register tiles ---------------------------------------------------------------------------
  * c (row stride ldc) += a (row stride lda) x b, over kc rows of one panel starting at column
@@ -87,10 +108,11 @@ static ALWAYS_INLINE void tile_store(v16 acc[][NV], float *c, int64_t ldc, int m
 }
 
 static ALWAYS_INLINE void tile_f32(int mr, float *c, int64_t ldc, const float *a, int64_t lda,
-                                   const float *b, int64_t kc, int ncols, int start) {
+                                   const float *b, int64_t kc, int ncols, int start, Ahead *ah) {
     v16 acc[MR][NV];
     tile_load(acc, c, ldc, mr, ncols, start);
     for (int64_t k = 0; k < kc; ++k) {
+        ahead_step(ah);
         v16 w[NV];
         UNROLL for (int v = 0; v < NV; ++v) w[v] = load16(b + k * NR + 16 * v);
         UNROLL for (int m = 0; m < mr; ++m) {
@@ -102,10 +124,11 @@ static ALWAYS_INLINE void tile_f32(int mr, float *c, int64_t ldc, const float *a
 }
 
 static ALWAYS_INLINE void tile_f16(int mr, float *c, int64_t ldc, const float *a, int64_t lda,
-                                   const uint16_t *b, int64_t kc, int ncols, int start) {
+                                   const uint16_t *b, int64_t kc, int ncols, int start, Ahead *ah) {
     v16 acc[MR][NV];
     tile_load(acc, c, ldc, mr, ncols, start);
     for (int64_t k = 0; k < kc; ++k) {
+        ahead_step(ah);
         v16 w[NV];
         UNROLL for (int v = 0; v < NV; ++v) w[v] = load16_f16(b + k * NR + 16 * v);
         UNROLL for (int m = 0; m < mr; ++m) {
@@ -119,10 +142,11 @@ static ALWAYS_INLINE void tile_f16(int mr, float *c, int64_t ldc, const float *a
 /* bf16 pairs widened: a 64-byte load holds 16 columns' (k, k+1) pairs; the low half of each
  * 32-bit lane is W[k], the high half W[k+1]. kc counts k rows (even). */
 static ALWAYS_INLINE void tile_bf16_wide(int mr, float *c, int64_t ldc, const float *a, int64_t lda,
-                                         const uint16_t *b, int64_t kc, int ncols, int start) {
+                                         const uint16_t *b, int64_t kc, int ncols, int start, Ahead *ah) {
     v16 acc[MR][NV];
     tile_load(acc, c, ldc, mr, ncols, start);
     for (int64_t k = 0; k < kc; k += 2) {
+        ahead_step(ah);
         v16 lo[NV], hi[NV];
         UNROLL for (int v = 0; v < NV; ++v) {
             v16w pair;
@@ -142,12 +166,13 @@ static ALWAYS_INLINE void tile_bf16_wide(int mr, float *c, int64_t ldc, const fl
 /* a16: x rounded to bf16, rows of lda16 (even) elements; one broadcast 32-bit lane = (x[k],
  * x[k+1]); vdpbf16ps adds x[k] W[k] + x[k+1] W[k+1] to each of 16 fp32 lanes. */
 static ALWAYS_INLINE void tile_bf16_dot(int mr, float *c, int64_t ldc, const uint16_t *a16, int64_t lda16,
-                                        const uint16_t *b, int64_t kc, int ncols, int start) {
+                                        const uint16_t *b, int64_t kc, int ncols, int start, Ahead *ah) {
     v16 acc[MR][NV];
     tile_load(acc, c, ldc, mr, ncols, start);
     __m512 sums[MR][NV];
     memcpy(sums, acc, sizeof sums);
     for (int64_t k = 0; k < kc; k += 2) {
+        ahead_step(ah);
         __m512bh w[NV];
         UNROLL for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(b + k * NR + 32 * v);
         UNROLL for (int m = 0; m < mr; ++m) {
@@ -177,7 +202,7 @@ typedef struct {
 
 /* One tile of rows [row, row + mr) x the column group `col` of panel p, K rows [k0, k0 + kc). */
 static ALWAYS_INLINE void run_tile(const Gemm *g, int mr, int64_t row, int64_t p, int col, int64_t k0,
-                                   int64_t kc) {
+                                   int64_t kc, Ahead *ah) {
     const int64_t first_col = p * NR + col * 16 * NV;
     int ncols = (int)(g->n - first_col < 16 * NV ? g->n - first_col : 16 * NV);
     float *c = g->c + row * g->ldc + first_col;
@@ -185,33 +210,39 @@ static ALWAYS_INLINE void run_tile(const Gemm *g, int mr, int64_t row, int64_t p
     const int64_t panel = p * g->kp * NR + col * 16 * NV; /* element offset of (k = 0, col group) */
     if (g->dtype == DT_F32) {
         tile_f32(mr, c, g->ldc, g->a + row * g->lda + k0, g->lda, (const float *)g->w + panel + k0 * NR, kc,
-                 ncols, start);
+                 ncols, start, ah);
     } else if (g->dtype == DT_F16) {
         tile_f16(mr, c, g->ldc, g->a + row * g->lda + k0, g->lda, (const uint16_t *)g->w + panel + k0 * NR,
-                 kc, ncols, start);
+                 kc, ncols, start, ah);
     } else {
         /* bf16 panels interleave k pairs: (k0, col) sits at k0 * NR + 2 * col offset. */
         const uint16_t *b = (const uint16_t *)g->w + p * g->kp * NR + k0 * NR + 2 * col * 16 * NV;
 #if defined(__AVX512BF16__)
-        tile_bf16_dot(mr, c, g->ldc, g->a16 + row * g->lda16 + k0, g->lda16, b, kc, ncols, start);
+        tile_bf16_dot(mr, c, g->ldc, g->a16 + row * g->lda16 + k0, g->lda16, b, kc, ncols, start, ah);
 #else
-        tile_bf16_wide(mr, c, g->ldc, g->a + row * g->lda + k0, g->lda, b, kc, ncols, start);
+        tile_bf16_wide(mr, c, g->ldc, g->a + row * g->lda + k0, g->lda, b, kc, ncols, start, ah);
 #endif
     }
 }
 
 /* A switch turns the run-time row count into a compile-time one, so each tile is unrolled with
  * its accumulators in registers. */
-static void run_rows(const Gemm *g, int64_t row, int64_t rows, int64_t p, int col, int64_t k0, int64_t kc) {
+static int rows_per_tile(int dtype) {
 #if defined(__AVX512BF16__)
-    const int mr_max = MR;
+    (void)dtype;
+    return MR;
 #else
-    const int mr_max = g->dtype == DT_BF16 ? MR_PAIRS : MR;
+    return dtype == DT_BF16 ? MR_PAIRS : MR;
 #endif
+}
+
+static void run_rows(const Gemm *g, int64_t row, int64_t rows, int64_t p, int col, int64_t k0, int64_t kc,
+                     Ahead *ah) {
+    const int mr_max = rows_per_tile(g->dtype);
     for (; rows > 0; row += mr_max, rows -= mr_max) {
         switch (rows < mr_max ? rows : mr_max) {
 #define TILE_CASE(R) \
-    case R: run_tile(g, R, row, p, col, k0, kc); break;
+    case R: run_tile(g, R, row, p, col, k0, kc, ah); break;
             TILE_CASE(1)
 #if MR >= 2
             TILE_CASE(2)
@@ -250,6 +281,23 @@ static uint16_t *round_rows_bf16(const float *a, int64_t lda, int64_t m, int64_t
     return out;
 }
 
+/* The prefetch of the K chunk after (p, k0) while this one's `groups` x row tiles run: the same
+ * panel's next chunk, or the next panel's first (the thread's panels are one contiguous run).
+ * None for a single row tile, at the thread's last chunk, or under AMX tiles (their own). */
+static Ahead next_chunk(const Gemm *g, int64_t p, int64_t p_end, int64_t k0, int64_t kc, int64_t kc_max,
+                        int64_t k_tiles, int groups) {
+    const int mr = rows_per_tile(g->dtype);
+    const int64_t elem = g->dtype == DT_F32 ? 4 : 2, k_next = k0 + kc;
+    const int64_t next_kc = k_next < g->kp ? (g->kp - k_next < kc_max ? g->kp - k_next : kc_max)
+                                           : (p + 1 < p_end ? (g->kp < kc_max ? g->kp : kc_max) : 0);
+    if (!PK_GEMM_AHEAD || k_tiles || g->m <= mr || next_kc == 0) return (Ahead){NULL, 0, 0};
+    const int64_t lines = next_kc * NR * elem / 64;
+    const int64_t k_per_step = g->dtype == DT_BF16 ? 2 : 1;
+    const int64_t steps = groups * ((g->m + mr - 1) / mr) * (kc / k_per_step);
+    const char *next = (const char *)g->w + (p * g->kp + k_next) * NR * elem;
+    return (Ahead){next, lines, (int)((lines + steps - 1) / steps)};
+}
+
 /* g's y = x W^T + bias: AMX tiles over K rows [0, k_tiles) (g->a16 rounded for them), the
  * register tiles over the rest (g->a). Threads split the panels. */
 static int run_panels(const Gemm *g, const float *bias, int64_t k_tiles, int threads) {
@@ -271,8 +319,9 @@ static int run_panels(const Gemm *g, const float *bias, int64_t k_tiles, int thr
         for (int64_t p = p_begin; p < p_end; ++p)
             for (int64_t k0 = k_tiles; k0 < kp; k0 += kc_max) {
                 const int64_t kc = kp - k0 < kc_max ? kp - k0 : kc_max;
+                Ahead ah = next_chunk(g, p, p_end, k0, kc, kc_max, k_tiles, groups);
                 for (int col = 0; col < groups; ++col)
-                    if (p * NR + col * 16 * NV < n) run_rows(g, 0, m, p, col, k0, kc);
+                    if (p * NR + col * 16 * NV < n) run_rows(g, 0, m, p, col, k0, kc, &ah);
             }
         if (bias) {
 #pragma omp barrier
