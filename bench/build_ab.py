@@ -1,0 +1,152 @@
+"""Builds of this host's CPU kernels that differ only in `-D` macros, timed side by side in one
+process, round by round, so a kernel knob (a prefetch, a block size: PK_GEMM_AHEAD, AMX_KC,
+AMX_MC, AMX_MIN_ROWS, ...) is judged on the same minute of a shared machine, not on two runs
+minutes apart whose background load differs.
+
+- linears: the Qwen2.5-0.5B's bf16 (or --dtype) linears in model order, 24 layers and the LM
+  head, each its own weight, so every pass reads them from memory as a forward does; ms per
+  pass, best of 2 per round, every round listed.
+- decode: the fast CPU forward of the random 0.5B-shaped model, one worker per build, decode
+  steps of `batch` sequences with 128-token prompts (bench.common.decode_steps_lockstep):
+  median ms per step, two sets.
+- prefill: one prompt of each length, a step per round (bench.amx_ab.prefill_seconds).
+
+The first build is the control: each figure's `ratio` is control / build (> 1: the build is
+faster). Not part of `make bench`: a tool for kernel work, printing JSON.
+
+    python -m bench.build_ab -D PK_GEMM_AHEAD=0 -D PK_GEMM_AHEAD=1 \\
+        [--variant avx512bf16] [--dtype bfloat16] [--rows 1,16,64,256] [--decode 1,16,64] [--prefill 256]
+
+`-D "AMX_KC=512 AMX_MC=128"` defines several macros in one build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.ceilings import best_seconds
+from bench.common import decode_steps_lockstep, median
+from kernels import cpu_build
+from worker.cpu_weights import PanelLinear
+
+MODEL = "random:qwen2.5-0.5b"
+QWEN05_LINEARS = [(1152, 896), (896, 896), (9728, 896), (896, 4864)] * 24 + [(151936, 896)]
+
+
+def build_all(defines: list[str], variant_name: str | None, out_dir: Path) -> dict[str, cpu_build.CpuOps]:
+    """One library per `defines` entry, of `variant_name` (default: the best this CPU runs)."""
+    variants = cpu_build.usable_variants()
+    variant = next((v for v in variants if v.name == variant_name), None) if variant_name else variants[0]
+    if variant is None:
+        usable = ", ".join(v.name for v in variants)
+        raise SystemExit(f"variant {variant_name} does not run here (usable: {usable})")
+    cc = cpu_build.compiler_command()
+    if cc is None:
+        raise SystemExit("no C compiler: the builds need one")
+    ops = {}
+    for i, define in enumerate(defines):
+        flags = tuple(f"-D{d}" for d in define.split())
+        out = out_dir / f"build{i}-{variant.name}.so"
+        cpu_build.compile_variant(dataclasses.replace(variant, flags=(*variant.flags, *flags)), out, cc)
+        ops[define] = cpu_build.CpuOps(out, variant.name, f"build_ab {define}")
+    return ops
+
+
+def linears(ops: dict, dtype: torch.dtype, rows_list: list[int], rounds: int = 3) -> dict:
+    weights = [torch.randn(n, k).to(dtype) for n, k in QWEN05_LINEARS]
+    layers = {key: [PanelLinear(o, w, None, dtype) for w in weights] for key, o in ops.items()}
+    del weights
+    res = {}
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k) for _, k in QWEN05_LINEARS}
+        outs = [torch.empty(rows, n) for n, _ in QWEN05_LINEARS]
+        times: dict[str, list[float]] = {key: [] for key in ops}
+        for _ in range(rounds):
+            for key, lins in layers.items():
+
+                def one_pass(lins=lins, xs=xs, outs=outs) -> None:
+                    for (_, k), lin, out in zip(QWEN05_LINEARS, lins, outs, strict=True):
+                        lin(xs[k], out=out)
+
+                times[key].append(round(best_seconds(one_pass, 2) * 1e3, 2))
+        res[f"rows_{rows}"] = _with_ratio(times, min)
+    return res
+
+
+def _with_ratio(times: dict[str, list[float]], pick) -> dict:
+    keys = list(times)
+    out = {key: {"ms": times[key], "pick_ms": pick(times[key])} for key in keys}
+    for key in keys[1:]:
+        out[key]["ratio"] = round(pick(times[keys[0]]) / pick(times[key]), 3)
+    return out
+
+
+def forward_steps(ops: dict, dtype: str, batches: list[int], prefills: list[int]) -> dict:
+    import worker.cpu_forward as cpu_forward
+    from bench.amx_ab import prefill_seconds
+    from pagedkv.heap import frozen_after
+    from worker.worker import Worker
+    from worker.worker_config import WorkerConfig
+
+    def make(o: cpu_build.CpuOps) -> Worker:
+        saved = cpu_forward.load_cpu_ops
+        cpu_forward.load_cpu_ops = lambda: o  # FastCpuForward takes the build under test
+        try:
+            config = WorkerConfig(
+                model=MODEL, dtype=dtype, cpu_kernels="fast", kv_cache_memory=1 << 30, max_model_len=2048
+            )
+            worker = Worker(config)
+        finally:
+            cpu_forward.load_cpu_ops = saved
+        assert worker.fast_forward.ops is o, worker.describe().forward_kernels
+        return worker
+
+    workers = frozen_after(lambda: {key: make(o) for key, o in ops.items()})()
+    res = {}
+    for batch in batches:
+        sets = [decode_steps_lockstep(workers, steps=8, batch=batch, prompt_len=128) for _ in range(2)]
+        times = {key: [round(s[key] * 1e3, 2) for s in sets] for key in workers}
+        res[f"decode_b{batch}"] = _with_ratio(times, median)
+    for length in prefills:
+        seconds = prefill_seconds(workers, length, rounds=3)
+        times = {key: [round(s * 1e3, 2)] for key, s in seconds.items()}
+        res[f"prefill_{length}"] = _with_ratio(times, median)
+    return res
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-D", dest="defines", action="append", required=True, help="a build's macros (2+ builds)")
+    ap.add_argument("--variant", help="kernel variant to build (default: the best this CPU runs)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--rows", type=_ints, default=[1, 16, 64, 256], help="linears: row counts ('' for none)")
+    ap.add_argument("--decode", type=_ints, default=[1, 16, 64], help="decode batch sizes ('' for none)")
+    ap.add_argument("--prefill", type=_ints, default=[256], help="prefill lengths ('' for none)")
+    args = ap.parse_args()
+    if len(args.defines) < 2:
+        ap.error("give two or more -D builds (the first is the control)")
+    with tempfile.TemporaryDirectory(prefix="pagedkv-build-ab-") as tmp:
+        ops = build_all(args.defines, args.variant, Path(tmp))
+        res = {
+            "variant": next(iter(ops.values())).variant,
+            "threads": torch.get_num_threads(),
+            "loadavg_before": open("/proc/loadavg").read().split()[:3],
+            "linears": linears(ops, getattr(torch, args.dtype), args.rows) if args.rows else {},
+            "forward": forward_steps(ops, args.dtype, args.decode, args.prefill),
+            "loadavg_after": open("/proc/loadavg").read().split()[:3],
+        }
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
