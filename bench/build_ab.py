@@ -107,6 +107,8 @@ def forward_steps(ops: dict, dtype: str, batches: list[int], prefills: list[int]
         assert worker.fast_forward.ops is o, worker.describe().forward_kernels
         return worker
 
+    if not batches and not prefills:
+        return {}
     workers = frozen_after(lambda: {key: make(o) for key, o in ops.items()})()
     res = {}
     for batch in batches:

@@ -28,8 +28,14 @@
 #include "cpu_simd.h"
 
 #define NR 64          /* output columns per panel */
+#ifndef KC_F32
 #define KC_F32 256     /* K rows per cache block: 256 x 64 x 4 B = 64 KiB of W (L2) */
-#define KC_16 512      /* 16-bit weights: 64 KiB too */
+#endif
+#ifndef KC_16
+/* 16-bit weights: 1024 x 64 x 2 B = 128 KiB, a whole K = 896 panel of the 0.5B shape in one
+ * chunk (y never reloaded); 1.02-1.05x over 512 at 16-256 rows (docs/PERF.md) */
+#define KC_16 1024
+#endif
 #ifndef PK_GEMM_AHEAD
 #define PK_GEMM_AHEAD 1 /* prefetch the next K chunk (below); 0 builds the A/B's control */
 #endif
@@ -56,7 +62,7 @@
 #endif
 
 /* -- the next K chunk, prefetched ------------------------------------------------------------------
- * A batch reads each K chunk of a panel (64 KiB) once from memory, for its first row tile, and
+ * A batch reads each K chunk of a panel (64-128 KiB) once from memory, for its first row tile, and
  * from L2 for every later one. The hardware prefetcher loses the stream at each rewind to the
  * chunk's start, so without help the first tile of every chunk waits on memory while the
  * core's math units idle. The next chunk lies right after this one (panels are contiguous), so
