@@ -7,7 +7,7 @@ minutes apart whose background load differs.
   head, each its own weight, so every pass reads them from memory as a forward does; ms per
   pass, best of 2 per round, every round listed.
 - decode: the fast CPU forward of the random 0.5B-shaped model, one worker per build, decode
-  steps of `batch` sequences with 128-token prompts (bench.common.decode_steps_lockstep):
+  steps of `batch` sequences with 128-token prompts (--context) (bench.common.decode_steps_lockstep):
   median ms per step, two sets.
 - prefill: one prompt of each length, a step per round (bench.amx_ab.prefill_seconds).
 
@@ -87,7 +87,7 @@ def _with_ratio(times: dict[str, list[float]], pick) -> dict:
     return out
 
 
-def forward_steps(ops: dict, dtype: str, batches: list[int], prefills: list[int]) -> dict:
+def forward_steps(ops: dict, dtype: str, batches: list[int], prefills: list[int], context: int = 128) -> dict:
     import worker.cpu_forward as cpu_forward
     from bench.amx_ab import prefill_seconds
     from pagedkv.heap import frozen_after
@@ -99,7 +99,7 @@ def forward_steps(ops: dict, dtype: str, batches: list[int], prefills: list[int]
         cpu_forward.load_cpu_ops = lambda: o  # FastCpuForward takes the build under test
         try:
             config = WorkerConfig(
-                model=MODEL, dtype=dtype, cpu_kernels="fast", kv_cache_memory=1 << 30, max_model_len=2048
+                model=MODEL, dtype=dtype, cpu_kernels="fast", kv_cache_memory=2 << 30, max_model_len=2048
             )
             worker = Worker(config)
         finally:
@@ -112,7 +112,7 @@ def forward_steps(ops: dict, dtype: str, batches: list[int], prefills: list[int]
     workers = frozen_after(lambda: {key: make(o) for key, o in ops.items()})()
     res = {}
     for batch in batches:
-        sets = [decode_steps_lockstep(workers, steps=8, batch=batch, prompt_len=128) for _ in range(2)]
+        sets = [decode_steps_lockstep(workers, steps=8, batch=batch, prompt_len=context) for _ in range(2)]
         times = {key: [round(s[key] * 1e3, 2) for s in sets] for key in workers}
         res[f"decode_b{batch}"] = _with_ratio(times, median)
     for length in prefills:
@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--rows", type=_ints, default=[1, 16, 64, 256], help="linears: row counts ('' for none)")
     ap.add_argument("--decode", type=_ints, default=[1, 16, 64], help="decode batch sizes ('' for none)")
+    ap.add_argument("--context", type=int, default=128, help="decode: prompt tokens each sequence attends to")
     ap.add_argument("--prefill", type=_ints, default=[256], help="prefill lengths ('' for none)")
     args = ap.parse_args()
     if len(args.defines) < 2:
@@ -144,7 +145,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "loadavg_before": open("/proc/loadavg").read().split()[:3],
             "linears": linears(ops, getattr(torch, args.dtype), args.rows) if args.rows else {},
-            "forward": forward_steps(ops, args.dtype, args.decode, args.prefill),
+            "forward": forward_steps(ops, args.dtype, args.decode, args.prefill, args.context),
             "loadavg_after": open("/proc/loadavg").read().split()[:3],
         }
     print(json.dumps(res, indent=1))
