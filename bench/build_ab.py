@@ -30,13 +30,15 @@ from pathlib import Path
 
 import torch
 
-from bench.ceilings import best_seconds
+from bench.ceilings import best_seconds, model_gemm_shapes
 from bench.common import decode_steps_lockstep, median
 from kernels import cpu_build
 from worker.cpu_weights import PanelLinear
+from worker.default_model import PRESETS
 
 MODEL = "random:qwen2.5-0.5b"
-QWEN05_LINEARS = [(1152, 896), (896, 896), (9728, 896), (896, 4864)] * 24 + [(151936, 896)]
+# every weight GEMM of one 0.5B forward, in model order (fused q|k|v and gate|up, the LM head last)
+QWEN05_LINEARS = model_gemm_shapes(PRESETS["qwen2.5-0.5b"])
 
 
 def build_all(defines: list[str], variant_name: str | None, out_dir: Path) -> dict[str, cpu_build.CpuOps]:

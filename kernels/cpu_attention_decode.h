@@ -137,26 +137,25 @@ static inline int64_t fill_rows(int64_t *rows, const int32_t *table, int64_t *bl
 }
 
 /* Fetches `bytes` from the start of each of the n pool rows at element offsets rows[] (elements
- * of `elem` bytes) in K and V: the next chunk's, while this one computes. */
+ * of `elem` bytes) in K and V, into L1 (the next chunk's, while this one computes) or, with
+ * `to_l2` (a constant at every call, so the branch folds), into L2 only: the chunk DECODE_AHEAD
+ * ahead. One chunk ahead alone left the pool loads of long contexts waiting on memory (blocks lie
+ * anywhere in the pool, so the hardware prefetcher restarts at each one): at 1k-token contexts,
+ * batch 16, 4 chunks ahead took the step from 72.6 to 68.2 ms (AMD Zen 4, docs/PERF.md); 8 was
+ * no better. */
 static ALWAYS_INLINE void prefetch_rows(const void *k_cache, const void *v_cache, const int64_t *rows, int64_t n,
-                                        int64_t elem, int64_t bytes) {
+                                        int64_t elem, int64_t bytes, int to_l2) {
     for (int64_t j = 0; j < n; ++j)
         for (int64_t line = 0; line < bytes; line += 64) {
-            __builtin_prefetch((const char *)k_cache + rows[j] * elem + line);
-            __builtin_prefetch((const char *)v_cache + rows[j] * elem + line);
-        }
-}
-
-/* prefetch_rows into L2 only: the rows of the chunk DECODE_AHEAD chunks ahead. One chunk ahead
- * left the pool loads of long contexts waiting on memory (blocks lie anywhere in the pool, so
- * the hardware prefetcher restarts at each one): at 1k-token contexts, batch 16, 4 chunks
- * ahead took the step from 72.6 to 68.2 ms (AMD Zen 4, docs/PERF.md); 8 was no better. */
-static ALWAYS_INLINE void prefetch_rows_l2(const void *k_cache, const void *v_cache, const int64_t *rows, int64_t n,
-                                           int64_t elem, int64_t bytes) {
-    for (int64_t j = 0; j < n; ++j)
-        for (int64_t line = 0; line < bytes; line += 64) {
-            __builtin_prefetch((const char *)k_cache + rows[j] * elem + line, 0, 2);
-            __builtin_prefetch((const char *)v_cache + rows[j] * elem + line, 0, 2);
+            const char *k = (const char *)k_cache + rows[j] * elem + line;
+            const char *v = (const char *)v_cache + rows[j] * elem + line;
+            if (to_l2) {
+                __builtin_prefetch(k, 0, 2);
+                __builtin_prefetch(v, 0, 2);
+            } else {
+                __builtin_prefetch(k);
+                __builtin_prefetch(v);
+            }
         }
 }
 
@@ -198,11 +197,11 @@ static ALWAYS_INLINE void attend_impl(
         /* The heads below read each row in per-head slices, a pattern the hardware prefetcher
          * follows poorly: fetch the next chunk's whole rows now, while this one computes. */
         n_next = fill_rows(next_rows, table, &block, &offset, num_keys - start - n, block_size, row_stride);
-        prefetch_rows(k_cache, v_cache, next_rows, n_next, elem, row_stride * elem);
+        prefetch_rows(k_cache, v_cache, next_rows, n_next, elem, row_stride * elem, 0);
         if (DECODE_AHEAD > 1 && far_left > 0) {
             const int64_t n_far = fill_rows(far_rows, table, &far_block, &far_offset, far_left, block_size, row_stride);
             far_left -= n_far;
-            prefetch_rows_l2(k_cache, v_cache, far_rows, n_far, elem, row_stride * elem);
+            prefetch_rows(k_cache, v_cache, far_rows, n_far, elem, row_stride * elem, 1);
         }
         if (kv_is_quantized(dtype))
             for (int64_t c = 0; c < kv_heads; ++c)

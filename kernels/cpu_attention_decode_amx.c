@@ -119,7 +119,7 @@ static ALWAYS_INLINE void attend_group(float *out, const float *q, const uint16_
         /* a slice of each pool row is a pattern the hardware prefetcher follows poorly (without
          * these: 56.4 ms instead of 36.0 for the cold 512-key case above) */
         n_ahead = fill_rows(ahead, table, &block, &offset, num_keys - start - n, block_size, row_stride);
-        prefetch_rows(k_cache, v_cache, ahead, n_ahead, sizeof(uint16_t), dim * (int64_t)sizeof(uint16_t));
+        prefetch_rows(k_cache, v_cache, ahead, n_ahead, sizeof(uint16_t), dim * (int64_t)sizeof(uint16_t), 0);
         chunk_scores(scores, a, qb, k_cache, rows, n, dim, row_stride);
         for (int h = 0; h < 16; ++h) chunk_max[h] = max_score[h], sum[h] = 0.f;
         for (int64_t j = 0; j < n; ++j) {
