@@ -10,12 +10,18 @@ minutes apart whose background load differs.
   steps of `batch` sequences with 128-token prompts (--context) (bench.common.decode_steps_lockstep):
   median ms per step, two sets.
 - prefill: one prompt of each length, a step per round (bench.amx_ab.prefill_seconds).
+- attention: the decode attention alone (paged_attention), the 0.5B's geometry (14 query heads,
+  2 kv heads, head_dim 64) over bf16 pools of 24 layers at --context keys, blocks of 16 in a
+  shuffled order, one call per layer: ms per 24 calls, best of each round. The pools outgrow
+  the caches as a forward's do (--attention-layers 1: one layer's pools 24 times, in cache: the
+  arithmetic alone).
 
 The first build is the control: each figure's `ratio` is control / build (> 1: the build is
 faster). Not part of `make bench`: a tool for kernel work, printing JSON.
 
     python -m bench.build_ab -D PK_GEMM_AHEAD=0 -D PK_GEMM_AHEAD=1 \\
         [--variant avx512bf16] [--dtype bfloat16] [--rows 1,16,64,256] [--decode 1,16,64] [--prefill 256]
+        [--attention 16 --context 1024]
 
 `-D "AMX_KC=512 AMX_MC=128"` defines several macros in one build.
 """
@@ -124,6 +130,56 @@ def forward_steps(ops: dict, dtype: str, batches: list[int], prefills: list[int]
     return res
 
 
+ATTENTION_GEOMETRY = (14, 2, 64, 16)  # the 0.5B's query heads, kv heads, head_dim; blocks of 16
+
+
+def _attention_case(batch: int, context: int, layers: int, gen: torch.Generator):
+    """(query, step): bf16 pools of `layers` layers, a shuffled block table, and a step that calls
+    the decode attention once per each of 24 layers into `out`."""
+    from kernels.cpu_build import DTYPES
+
+    heads, kv_heads, dim, block_size = ATTENTION_GEOMETRY
+    blocks = batch * -(-context // block_size)
+    shape = (blocks + 1, block_size, kv_heads, dim)
+    pools = [[torch.randn(*shape, generator=gen).bfloat16() for _ in range(2)] for _ in range(layers)]
+    tables = (torch.randperm(blocks, generator=gen) + 1).to(torch.int32).view(batch, -1).contiguous()
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    query, none = torch.randn(batch, heads, dim, generator=gen), torch.zeros(1, dtype=torch.uint8)
+
+    def step(o: cpu_build.CpuOps, out: torch.Tensor) -> None:
+        for layer in range(24):
+            k, v = pools[layer % layers]
+            status = o.paged_attention(
+                out.data_ptr(), query.data_ptr(), k.data_ptr(), v.data_ptr(), DTYPES["bfloat16"],
+                none.data_ptr(), none.data_ptr(), 0.0, 0.0, tables.data_ptr(), tables.shape[1],
+                lens.data_ptr(), qsl.data_ptr(), batch, heads, kv_heads, dim, block_size, dim**-0.5, 0,
+                torch.get_num_threads(),
+            )  # fmt: skip
+            if status != 0:
+                raise RuntimeError(f"paged_attention returned {status}")
+
+    return query, step
+
+
+def attention(ops: dict, batches: list[int], context: int, layers: int, rounds: int = 6) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    res = {}
+    for batch in batches:
+        query, step = _attention_case(batch, context, layers, gen)
+        outs = {key: torch.empty_like(query) for key in ops}
+        times: dict[str, list[float]] = {key: [] for key in ops}
+        for _ in range(rounds):
+            for key, o in ops.items():
+                seconds = best_seconds(lambda o=o, out=outs[key], step=step: step(o, out), 1)
+                times[key].append(round(seconds * 1e3, 2))
+        first = outs[next(iter(ops))]
+        res[f"attention_b{batch}"] = _with_ratio(times, min)
+        for key in list(ops)[1:]:
+            res[f"attention_b{batch}"][key]["max_abs_diff"] = float((outs[key] - first).abs().max())
+    return res
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -135,7 +191,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--rows", type=_ints, default=[1, 16, 64, 256], help="linears: row counts ('' for none)")
     ap.add_argument("--decode", type=_ints, default=[1, 16, 64], help="decode batch sizes ('' for none)")
-    ap.add_argument("--context", type=int, default=128, help="decode: prompt tokens each sequence attends to")
+    ap.add_argument("--context", type=int, default=128, help="decode / attention: keys a sequence attends to")
+    ap.add_argument("--attention", type=_ints, default=[], help="decode attention alone: batch sizes")
+    ap.add_argument("--attention-layers", type=int, default=24, help="attention: distinct layers' pools")
     ap.add_argument("--prefill", type=_ints, default=[256], help="prefill lengths ('' for none)")
     args = ap.parse_args()
     if len(args.defines) < 2:
@@ -148,6 +206,7 @@ def main() -> None:
             "loadavg_before": open("/proc/loadavg").read().split()[:3],
             "linears": linears(ops, getattr(torch, args.dtype), args.rows) if args.rows else {},
             "forward": forward_steps(ops, args.dtype, args.decode, args.prefill, args.context),
+            "attention": attention(ops, args.attention, args.context, args.attention_layers),
             "loadavg_after": open("/proc/loadavg").read().split()[:3],
         }
     print(json.dumps(res, indent=1))

@@ -23,6 +23,12 @@ typedef struct {
     float k_unit, v_unit;
 } KvScales;
 
+/* The online softmax of a run of query heads (arrays indexed by head): the largest score so far,
+ * the denominator, and the factor the current chunk rescales their accumulators by. */
+typedef struct {
+    float *max_score, *denom, *rescale;
+} SoftmaxState;
+
 /* The library's paged attention (cpu_attention.c; the decoder stack calls it per layer).
  * query/out [T, H, D]; caches [blocks, block_size, KV, D]; block_tables int32 [S, width];
  * seq_lens int32 [S] (context incl. this step's tokens); query_start_loc int32 [S + 1].

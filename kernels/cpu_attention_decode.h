@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "cpu_attention.h"
+#include "cpu_attention_lanes.h"
 #include "cpu_simd.h"
 
 /* out[i] = sum of the 16 lanes of a[i], for 16 vectors at once: a transpose-and-add tree of
@@ -163,6 +164,78 @@ static ALWAYS_INLINE void prefetch_rows(const void *k_cache, const void *v_cache
 #define DECODE_AHEAD 4
 #endif
 
+/* The second walk of the block table, DECODE_AHEAD chunks in front of the chunk computing: its
+ * rows go to L2 a few at a time between the pieces of that chunk's work (`steps` far_steps a
+ * chunk), not in one burst of 2 x 16 rows' lines. A burst stalled the loads behind it until the
+ * prefetches drained: with the chunk's compute and its pool reads each measured alone (15 and 8
+ * ms for a batch of 16 at 1k-token contexts, 24 layers), the burst took 21.5 ms, the steps 17.8
+ * (AMD Zen 4, docs/PERF.md). */
+typedef struct {
+    int64_t rows[KEY_CHUNK], n, issued, step, steps; /* this chunk's far rows; how many issued */
+    int64_t block, offset, left;                     /* where the walk is; keys after it */
+} FarWalk;
+
+static ALWAYS_INLINE void far_next_chunk(FarWalk *w, const int32_t *table, int64_t block_size, int64_t row_stride) {
+    w->n = w->left > 0 ? fill_rows(w->rows, table, &w->block, &w->offset, w->left, block_size, row_stride) : 0;
+    w->left -= w->n;
+    w->issued = w->step = 0;
+}
+
+/* Prefetches the next share of the far chunk's rows (all of them at `last`). */
+static ALWAYS_INLINE void far_step(FarWalk *w, const void *k_cache, const void *v_cache, int64_t elem,
+                                   int64_t bytes, int last) {
+    const int64_t upto = last || w->step >= w->steps ? w->n : w->n * ++w->step / w->steps;
+    if (upto > w->issued) prefetch_rows(k_cache, v_cache, w->rows + w->issued, upto - w->issued, elem, bytes, 1);
+    w->issued = upto;
+}
+
+/* The online softmax over a chunk's n scores of each head (those keys_on_lanes_probabilities leaves to
+ * it): scores become probabilities. */
+static ALWAYS_INLINE void softmax_chunk(float scores[][KEY_CHUNK], SoftmaxState st, int64_t heads, int64_t n) {
+    for (int64_t h = 0; h < heads; ++h) {
+        float *sh = scores[h], chunk_max = st.max_score[h];
+        for (int64_t j = 0; j < n; ++j) chunk_max = sh[j] > chunk_max ? sh[j] : chunk_max;
+        st.rescale[h] = exp_approx(st.max_score[h] - chunk_max); /* ~0 on the first chunk */
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) {
+            sh[j] = exp_approx(sh[j] - chunk_max);
+            sum += sh[j];
+        }
+        st.denom[h] = st.denom[h] * st.rescale[h] + sum;
+        st.max_score[h] = chunk_max;
+    }
+}
+
+/* Scores and P V one element at a time, for head_dims the vector paths do not take (not a
+ * multiple of 16, or past MAX_VEC_DIM). scales: a quantized pool's per-key scales, by kv head. */
+static ALWAYS_INLINE void scalar_scores(float scores[][KEY_CHUNK], const float *RESTRICT q, const void *RESTRICT k_cache,
+                                        const int64_t *RESTRICT rows, int64_t n, int64_t heads, int64_t group,
+                                        int64_t dim, float scale, float scales[][KEY_CHUNK], int dtype) {
+    for (int64_t h = 0; h < heads; ++h)
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t kv_offset = (h / group) * dim;
+            float s = 0.f;
+            for (int64_t d = 0; d < dim; ++d) s += q[h * dim + d] * load1_kv(k_cache, rows[j] + kv_offset + d, dtype);
+            scores[h][j] = s * scale * (kv_is_quantized(dtype) ? scales[h / group][j] : 1.f);
+        }
+}
+
+static ALWAYS_INLINE void scalar_accumulate(float *RESTRICT acc, float scores[][KEY_CHUNK], const float *RESTRICT rescale,
+                                            const void *RESTRICT v_cache, const int64_t *RESTRICT rows, int64_t n,
+                                            int64_t heads, int64_t group, int64_t dim, float scales[][KEY_CHUNK],
+                                            int dtype) {
+    for (int64_t h = 0; h < heads; ++h) {
+        const int64_t kv_offset = (h / group) * dim;
+        float *ah = acc + h * dim;
+        for (int64_t d = 0; d < dim; ++d) ah[d] *= rescale[h];
+        for (int64_t j = 0; j < n; ++j) {
+            const float p = scores[h][j] * (kv_is_quantized(dtype) ? scales[h / group][j] : 1.f);
+            for (int64_t d = 0; d < dim; ++d) ah[d] += p * load1_kv(v_cache, rows[j] + kv_offset + d, dtype);
+        }
+    }
+}
+
 /* Online-softmax attention of every query head of one token that sees keys 0..num_keys-1 of its
  * sequence. One work item per token, not per (token, head): each key's pool row (all kv heads,
  * contiguous) is read once, front to back, so the hardware prefetcher streams whole blocks; a
@@ -182,15 +255,15 @@ static ALWAYS_INLINE void attend_impl(
     const int64_t group = heads / kv_heads, row_stride = kv_heads * dim;
     const int64_t elem = kv_elem_bytes(dtype); /* bytes per pool element */
     const int vectors = dim % 16 == 0 && dim <= MAX_VEC_DIM; /* every common head_dim */
+    const int on_lanes = keys_on_lanes_fit(dim, dtype); /* scores and softmax with the keys on the lanes */
     memset(acc, 0, (size_t)(heads * dim) * sizeof(float));
     for (int64_t h = 0; h < heads; ++h) max_score[h] = -INFINITY, denom[h] = 0.f;
+    const SoftmaxState softmax = {max_score, denom, rescale};
     int64_t block = first_key / block_size, offset = first_key % block_size, next_rows[KEY_CHUNK];
     int64_t n_next = fill_rows(next_rows, table, &block, &offset, num_keys - first_key, block_size, row_stride);
-    /* a second walk DECODE_AHEAD chunks in front of the first, prefetching into L2 */
-    int64_t far_block = block, far_offset = offset, far_rows[KEY_CHUNK];
-    int64_t far_left = num_keys - first_key - n_next;
-    for (int c = 1; c < DECODE_AHEAD && far_left > 0; ++c)
-        far_left -= fill_rows(far_rows, table, &far_block, &far_offset, far_left, block_size, row_stride);
+    FarWalk far = {.block = block, .offset = offset, .left = DECODE_AHEAD > 1 ? num_keys - first_key - n_next : 0,
+                   .steps = 2 * kv_heads * ((group + GROUP_BATCH - 1) / GROUP_BATCH) + 1};
+    for (int c = 1; c < DECODE_AHEAD && far.left > 0; ++c) far_next_chunk(&far, table, block_size, row_stride);
     for (int64_t start = first_key; start < num_keys; start += KEY_CHUNK) {
         const int64_t n = n_next;
         memcpy(rows, next_rows, (size_t)n * sizeof(int64_t));
@@ -198,11 +271,7 @@ static ALWAYS_INLINE void attend_impl(
          * follows poorly: fetch the next chunk's whole rows now, while this one computes. */
         n_next = fill_rows(next_rows, table, &block, &offset, num_keys - start - n, block_size, row_stride);
         prefetch_rows(k_cache, v_cache, next_rows, n_next, elem, row_stride * elem, 0);
-        if (DECODE_AHEAD > 1 && far_left > 0) {
-            const int64_t n_far = fill_rows(far_rows, table, &far_block, &far_offset, far_left, block_size, row_stride);
-            far_left -= n_far;
-            prefetch_rows(k_cache, v_cache, far_rows, n_far, elem, row_stride * elem, 1);
-        }
+        far_next_chunk(&far, table, block_size, row_stride);
         if (kv_is_quantized(dtype))
             for (int64_t c = 0; c < kv_heads; ++c)
                 key_scale_chunk(key_scales[c], value_scales[c], qs, rows, n, dim, c);
@@ -210,50 +279,33 @@ static ALWAYS_INLINE void attend_impl(
             for (int64_t c = 0; c < kv_heads; ++c)
                 for (int64_t hb = 0; hb < group; hb += GROUP_BATCH) {
                     const int64_t h0 = c * group + hb, nh = group - hb < GROUP_BATCH ? group - hb : GROUP_BATCH;
-                    group_scores(scores + h0, q + h0 * dim, (const char *)k_cache + c * dim * elem, rows, n, dim,
-                                 nh, scale, key_scales[c], dtype);
+                    far_step(&far, k_cache, v_cache, elem, row_stride * elem, 0);
+                    if (on_lanes)
+                        keys_on_lanes_probabilities(scores + h0, (SoftmaxState){max_score + h0, denom + h0, rescale + h0},
+                                             q + h0 * dim, (const char *)k_cache + c * dim * elem, rows, n, dim, nh,
+                                             scale, dtype);
+                    else
+                        group_scores(scores + h0, q + h0 * dim, (const char *)k_cache + c * dim * elem, rows, n,
+                                     dim, nh, scale, key_scales[c], dtype);
                 }
         } else {
-            for (int64_t h = 0; h < heads; ++h)
-                for (int64_t j = 0; j < n; ++j) {
-                    const int64_t kv_offset = (h / group) * dim;
-                    float s = 0.f;
-                    for (int64_t d = 0; d < dim; ++d) s += q[h * dim + d] * load1_kv(k_cache, rows[j] + kv_offset + d, dtype);
-                    scores[h][j] = s * scale * (kv_is_quantized(dtype) ? key_scales[h / group][j] : 1.f);
-                }
+            scalar_scores(scores, q, k_cache, rows, n, heads, group, dim, scale, key_scales, dtype);
         }
-        for (int64_t h = 0; h < heads; ++h) { /* online softmax: scores become probabilities */
-            float *sh = scores[h], chunk_max = max_score[h];
-            for (int64_t j = 0; j < n; ++j) chunk_max = sh[j] > chunk_max ? sh[j] : chunk_max;
-            rescale[h] = exp_approx(max_score[h] - chunk_max); /* ~0 on the first chunk */
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < n; ++j) {
-                sh[j] = exp_approx(sh[j] - chunk_max);
-                sum += sh[j];
-            }
-            denom[h] = denom[h] * rescale[h] + sum;
-            max_score[h] = chunk_max;
-        }
+        far_step(&far, k_cache, v_cache, elem, row_stride * elem, 0);
+        if (!(vectors && on_lanes)) softmax_chunk(scores, softmax, heads, n);
         if (vectors) {
             for (int64_t c = 0; c < kv_heads; ++c)
                 for (int64_t hb = 0; hb < group; hb += GROUP_BATCH) {
                     const int64_t h0 = c * group + hb, nh = group - hb < GROUP_BATCH ? group - hb : GROUP_BATCH;
+                    far_step(&far, k_cache, v_cache, elem, row_stride * elem, 0);
                     group_accumulate(acc + h0 * dim, scores[h0], KEY_CHUNK, 1, rescale + h0,
                                      (const char *)v_cache + c * dim * elem, rows, n, dim, nh, widened,
                                      value_scales[c], dtype);
                 }
         } else {
-            for (int64_t h = 0; h < heads; ++h) {
-                const int64_t kv_offset = (h / group) * dim;
-                float *ah = acc + h * dim;
-                for (int64_t d = 0; d < dim; ++d) ah[d] *= rescale[h];
-                for (int64_t j = 0; j < n; ++j) {
-                    const float p = scores[h][j] * (kv_is_quantized(dtype) ? value_scales[h / group][j] : 1.f);
-                    for (int64_t d = 0; d < dim; ++d) ah[d] += p * load1_kv(v_cache, rows[j] + kv_offset + d, dtype);
-                }
-            }
+            scalar_accumulate(acc, scores, rescale, v_cache, rows, n, heads, group, dim, value_scales, dtype);
         }
+        far_step(&far, k_cache, v_cache, elem, row_stride * elem, 1); /* the rest (scalar paths: all) */
     }
     for (int64_t h = 0; h < heads; ++h) {
         float inv = num_keys > first_key ? 1.f / denom[h] : 0.f;

@@ -67,6 +67,7 @@ HEADERS = (
     "cpu_kv_quant.h",
     "cpu_attention.h",
     "cpu_attention_decode.h",
+    "cpu_attention_lanes.h",
     "cpu_lora.h",
     "cpu_gguf.h",
     "cpu_gguf_blocks.h",

@@ -41,7 +41,15 @@ static ALWAYS_INLINE v16 load16(const float *p) {
 
 static ALWAYS_INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
+/* x in all 16 lanes. On AVX-512 as the 16 copies themselves: {0} + x costs a scalar add per
+ * call (it must turn -0 into +0), which the fp16 register tiles paid per k and row (fp16
+ * linears 1.08x faster without it; fp32 1.00-1.02x). The avx2 build keeps the sum: its bf16
+ * tiles measured 0.98x with the copies (AMD Zen 4, docs/PERF.md). */
+#if defined(__AVX512F__)
+static ALWAYS_INLINE v16 splat16(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#else
 static ALWAYS_INLINE v16 splat16(float x) { return (v16){0} + x; }
+#endif
 
 static ALWAYS_INLINE v16 as_float16(v16w w) {
     v16 f;
@@ -241,6 +249,44 @@ static inline float exp_approx(float x) {
         int32_t i;
     } scale = {.i = ((int32_t)n + 127) << 23};
     return p * scale.f;
+}
+
+/* Lane select: m's lanes all-ones (from a vector comparison) take a, zero lanes b. */
+static ALWAYS_INLINE v16 select16(v16i m, v16 a, v16 b) {
+    return as_float16((as_bits16(a) & (v16w)m) | (as_bits16(b) & ~(v16w)m));
+}
+
+/* The largest lane / the sum of the lanes, as a tree of four halvings (the order of the sum:
+ * lane pairs 8 apart first). */
+static ALWAYS_INLINE float hmax16(v16 v) {
+    v = select16(v > SHUF16(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7), v,
+                 SHUF16(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = select16(v > SHUF16(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3), v,
+                 SHUF16(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = select16(v > SHUF16(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1), v,
+                 SHUF16(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
+    return v[0] > v[1] ? v[0] : v[1];
+}
+
+static ALWAYS_INLINE float hsum16(v16 v) {
+    v += SHUF16(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += SHUF16(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += SHUF16(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    return v[0] + v[1];
+}
+
+/* exp_approx on 16 lanes: the same operations in the same order. */
+static ALWAYS_INLINE v16 exp16_approx(v16 x) {
+    const v16 lo = splat16(-87.0f), hi = splat16(88.0f), shifter = splat16(12582912.0f);
+    x = select16(x < lo, lo, select16(x > hi, hi, x));
+    v16 t = x * 1.44269504088896341f + shifter;
+    v16 n = t - shifter;
+    v16 r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    v16 p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
 }
 
 /* silu(g) * u: the one form every SiLU kernel uses (cpu_ops.c's silu_mul, the fused AMX MLP

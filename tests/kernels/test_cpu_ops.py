@@ -92,6 +92,26 @@ def test_paged_attention_matches_reference(ops, heads, kv_heads, dim, block_size
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim", [(10, 2, 64), (14, 2, 64), (16, 2, 96), (24, 2, 128), (12, 1, 32)]
+)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_decode_rows_of_wide_gqa_groups_match_reference(ops, heads, kv_heads, dim, kv_dtype):
+    """Decode rows of groups of 5 to 12 query heads per kv head (the AVX-512 kernel scores a
+    group's heads in registers, up to 8 at a time: 7, 8 and 12 take every path through that
+    batching), contexts that end on, before and after a 16-key chunk, in 5-token blocks so the
+    chunks straddle blocks."""
+    rng = random.Random(heads * 100 + dim)
+    ctx_lens = [1, 15, 16, 17, 100]
+    batch = random_paged_batch(rng, [1] * len(ctx_lens), ctx_lens, heads, kv_heads, dim, 5, kv_dtype)
+    query, k_cache, v_cache, tables, seq_lens, qsl = batch
+    got = run_attention(ops, *batch, dim**-0.5)
+    want = CpuAttentionBackend().paged_attention(
+        query, k_cache.float(), v_cache.float(), tables, seq_lens, qsl, dim**-0.5, 1, max(ctx_lens)
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
 def test_attention_is_bit_identical_across_block_sizes(ops):
     """The same logical context in blocks of 1, 8 and one 128-token row (the contiguous layout)
     gives the same bits: reduction order follows positions, never blocks."""
