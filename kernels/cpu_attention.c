@@ -9,6 +9,12 @@
  * positions, not blocks, so the arithmetic does not depend on the block size: paged and
  * contiguous layouts (a row = one big block) give bit-identical results.
  *
+ * A step with fewer decode rows than threads splits each long row's keys into parts (a multiple of
+ * KEY_CHUNK positions each, SPLIT_MIN_KEYS at least) that threads take like rows; each part
+ * returns its output and log-sum-exp, and merge_parts weighs them together. A long context at
+ * batch 1 used one core of the machine before. The split depends on the batch and the thread
+ * count, so a split row's bits differ from an unsplit one's in the last place.
+ *
  * Quantized pools (fp8 / int8 codes, cpu_kv_quant.h) decode in the same registers; each key's
  * scale (its byte beside the block, times the tensor scale) multiplies that key's score
  * (K) or probability (V), never a widened copy of the pool.
@@ -18,15 +24,64 @@
 #include "cpu_attention.h"
 #include "cpu_simd.h"
 
-/* One unit of parallel work: a token (all heads, attend_token_*) or a prefill tile (attend_tile). */
+/* One unit of parallel work: a token (all heads, attend_token_*), a part of a decode token's keys
+ * (part >= 0: keys [key_begin, key_end), into the part buffers), or a prefill tile (attend_tile). */
 typedef struct {
     int64_t seq, first_token, n_tokens, kv_head; /* kv_head < 0: a whole-token item */
+    int64_t key_begin, key_end, part;
 } WorkItem;
+
+/* A decode token whose keys were split: its parts are first_part .. first_part + parts - 1. */
+typedef struct {
+    int64_t token, first_part, parts;
+} SplitToken;
+
+#ifndef SPLIT_MIN_KEYS
+#define SPLIT_MIN_KEYS 256 /* the fewest keys a part gets: below, the merge and a cold start cost more */
+#endif
 
 /* Whether a sequence's rows (those the prefill tiles leave) run as attend_tile items: chunks
  * with half a tile of rows, unless the decode tiles take every row (a token per item). */
 static inline int by_tile(int decode_tiles, int tiles_ok, int64_t q_len, int64_t group) {
     return !decode_tiles && tiles_ok && 2 * q_len * group >= TILE_ROWS;
+}
+
+/* The keys [*first_key, *num_keys) that token `token` of sequence s sees. */
+static inline void token_keys(const int32_t *seq_lens, const int32_t *query_start_loc, int64_t window, int64_t s,
+                              int64_t token, int64_t *first_key, int64_t *num_keys) {
+    const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+    const int64_t pos = seq_lens[s] - q_len + (token - query_start_loc[s]);
+    *first_key = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+    *num_keys = pos + 1;
+}
+
+/* Keys per part of a decode token's `keys` when `rows` decode rows share `threads`: all of them
+ * (one part) once the rows alone keep the threads busy. */
+static inline int64_t keys_per_part(int64_t keys, int64_t rows, int threads) {
+    int64_t parts = rows < threads ? threads / rows : 1, most = keys / SPLIT_MIN_KEYS;
+    parts = parts < most ? parts : most;
+    if (parts <= 1) return keys;
+    const int64_t per = (keys + parts - 1) / parts;
+    return (per + KEY_CHUNK - 1) / KEY_CHUNK * KEY_CHUNK; /* parts start on the chunk grid */
+}
+
+/* out[h] = the parts' outputs weighed by exp(lse - max lse): the softmax over all their keys. */
+static void merge_parts(float *out, const float *part_out, const float *part_lse, int64_t parts, int64_t heads,
+                        int64_t dim) {
+    for (int64_t h = 0; h < heads; ++h) {
+        float top = -INFINITY, total = 0.f;
+        for (int64_t p = 0; p < parts; ++p) top = part_lse[p * heads + h] > top ? part_lse[p * heads + h] : top;
+        float *oh = out + h * dim;
+        for (int64_t d = 0; d < dim; ++d) oh[d] = 0.f;
+        if (top == -INFINITY) continue; /* no keys at all */
+        for (int64_t p = 0; p < parts; ++p) {
+            const float w = expf(part_lse[p * heads + h] - top);
+            const float *ph = part_out + (p * heads + h) * dim;
+            total += w;
+            for (int64_t d = 0; d < dim; ++d) oh[d] += w * ph[d];
+        }
+        for (int64_t d = 0; d < dim; ++d) oh[d] /= total;
+    }
 }
 
 int paged_attention(float *out, const float *query, const void *k_cache, const void *v_cache, int kv_dtype,
@@ -74,49 +129,77 @@ int paged_attention_rows(float *out, const float *query, const void *k_cache, co
             return status;
         }
     }
-    int64_t count = 0;
+    /* decode rows: a token per item, or per part of its keys where they split */
+    int64_t tile_items = 0, rows = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
         if (tiled[s]) continue;
         int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
-        count += by_tile(decode_tiles, tiles_ok, q_len, group) ? kv_heads * ((q_len + tile_tokens - 1) / tile_tokens)
-                                                               : q_len;
+        if (by_tile(decode_tiles, tiles_ok, q_len, group))
+            tile_items += kv_heads * ((q_len + tile_tokens - 1) / tile_tokens);
+        else
+            rows += q_len;
     }
-    WorkItem *items = malloc((size_t)(count > 0 ? count : 1) * sizeof(WorkItem));
-    if (!items) {
-        free(tiled);
-        return -2;
-    }
-    int64_t next = 0;
+    /* parts exist only when the rows are fewer than the threads: at most rows * (threads / rows) */
+    const int64_t most_parts = !decode_tiles && rows < threads ? threads : 0;
+    WorkItem *items = malloc((size_t)(tile_items + rows + most_parts + 1) * sizeof(WorkItem));
+    SplitToken *splits = malloc((size_t)(rows + 1) * sizeof(SplitToken));
+    float *part_out = malloc((size_t)(most_parts + 1) * (size_t)(heads * dim) * sizeof(float));
+    float *part_lse = malloc((size_t)(most_parts + 1) * (size_t)heads * sizeof(float));
+    const int status = items && splits && part_out && part_lse ? 0 : -2;
+    int64_t count = 0, n_splits = 0, n_parts = 0;
+    if (status) goto done;
     for (int64_t s = 0; s < num_seqs; ++s) {
         if (tiled[s]) continue;
         int64_t begin = query_start_loc[s], q_len = query_start_loc[s + 1] - begin;
         if (by_tile(decode_tiles, tiles_ok, q_len, group)) {
             for (int64_t t = 0; t < q_len; t += tile_tokens)
                 for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
-                    items[next++] = (WorkItem){s, begin + t, q_len - t < tile_tokens ? q_len - t : tile_tokens, kvh};
-        } else {
-            for (int64_t t = 0; t < q_len; ++t) items[next++] = (WorkItem){s, begin + t, 1, -1};
+                    items[count++] = (WorkItem){s, begin + t, q_len - t < tile_tokens ? q_len - t : tile_tokens, kvh,
+                                                0, 0, -1};
+            continue;
+        }
+        for (int64_t t = begin; t < begin + q_len; ++t) {
+            int64_t first_key, num_keys;
+            token_keys(seq_lens, query_start_loc, window, s, t, &first_key, &num_keys);
+            const int64_t per = decode_tiles ? num_keys : keys_per_part(num_keys - first_key, rows, threads);
+            if (per >= num_keys - first_key) {
+                items[count++] = (WorkItem){s, t, 1, -1, first_key, num_keys, -1};
+                continue;
+            }
+            splits[n_splits++] = (SplitToken){t, n_parts, (num_keys - first_key + per - 1) / per};
+            for (int64_t k = first_key; k < num_keys; k += per)
+                items[count++] = (WorkItem){s, t, 1, -1, k, k + per < num_keys ? k + per : num_keys, n_parts++};
         }
     }
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (count >= 2)
     for (int64_t i = 0; i < count; ++i) {
         const WorkItem it = items[i];
-        const int64_t q_len = query_start_loc[it.seq + 1] - query_start_loc[it.seq];
-        const int64_t pos = seq_lens[it.seq] - q_len + (it.first_token - query_start_loc[it.seq]);
         const int32_t *table = block_tables + (table_rows ? table_rows[it.seq] : it.seq) * table_width;
-        const int64_t first_key = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+        const float *q = query + it.first_token * heads * dim;
         if (it.kv_head < 0 && decode_tiles)
-            amx_attend_token(out + it.first_token * heads * dim, query + it.first_token * heads * dim, k_cache,
-                             v_cache, table, first_key, pos + 1, heads, kv_heads, dim, block_size, scale);
+            amx_attend_token(out + it.first_token * heads * dim, q, k_cache, v_cache, table, it.key_begin,
+                             it.key_end, heads, kv_heads, dim, block_size, scale);
         else if (it.kv_head < 0)
             (kv_is_quantized(kv_dtype) ? attend_token_codes : attend_token_wide)(
-                out + it.first_token * heads * dim, query + it.first_token * heads * dim, k_cache, v_cache, table,
-                first_key, pos + 1, heads, kv_heads, dim, block_size, scale, &qs, kv_dtype);
-        else
+                it.part >= 0 ? part_out + it.part * heads * dim : out + it.first_token * heads * dim, q, k_cache,
+                v_cache, table, it.key_begin, it.key_end, heads, kv_heads, dim, block_size, scale, &qs, kv_dtype,
+                it.part >= 0 ? part_lse + it.part * heads : NULL);
+        else {
+            const int64_t q_len = query_start_loc[it.seq + 1] - query_start_loc[it.seq];
+            const int64_t pos = seq_lens[it.seq] - q_len + (it.first_token - query_start_loc[it.seq]);
             attend_tile(out, query, k_cache, v_cache, table, it.first_token, it.n_tokens, pos, it.kv_head,
                         heads, kv_heads, dim, block_size, scale, window, &qs, kv_dtype);
+        }
     }
+#pragma omp parallel for num_threads(threads) if (n_splits >= 2)
+    for (int64_t i = 0; i < n_splits; ++i)
+        merge_parts(out + splits[i].token * heads * dim, part_out + splits[i].first_part * heads * dim,
+                    part_lse + splits[i].first_part * heads, splits[i].parts, heads, dim);
+done:
+    free(part_lse);
+    free(part_out);
+    free(splits);
     free(items);
     free(tiled);
-    return 0;
+    return status;
 }

@@ -50,15 +50,17 @@ int paged_attention_rows(float *out, const float *query, const void *k_cache, co
 #define ATTN_INTERNAL __attribute__((visibility("hidden")))
 
 /* One token's query heads against keys [first_key, num_keys) of its sequence (a decode row):
- * attend_token_wide for fp32 / bf16 / fp16 pools, attend_token_codes for fp8 / int8 codes. */
+ * attend_token_wide for fp32 / bf16 / fp16 pools, attend_token_codes for fp8 / int8 codes.
+ * lse non-NULL: also each head's log-sum-exp of its scores (-inf over no keys), so that the
+ * parts of a context split across threads merge (cpu_attention.c). */
 ATTN_INTERNAL void attend_token_wide(float *out, const float *q, const void *k_cache, const void *v_cache,
                                      const int32_t *table, int64_t first_key, int64_t num_keys, int64_t heads,
                                      int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
-                                     const KvScales *qs, int dtype);
+                                     const KvScales *qs, int dtype, float *lse);
 ATTN_INTERNAL void attend_token_codes(float *out, const float *q, const void *k_cache, const void *v_cache,
                                       const int32_t *table, int64_t first_key, int64_t num_keys, int64_t heads,
                                       int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
-                                      const KvScales *qs, int dtype);
+                                      const KvScales *qs, int dtype, float *lse);
 
 /* Up to TILE_ROWS (token, head) rows of one kv head of a prefill chunk, causal and windowed. */
 ATTN_INTERNAL void attend_tile(float *out, const float *query, const void *k_cache, const void *v_cache,

@@ -236,8 +236,9 @@ static ALWAYS_INLINE void scalar_accumulate(float *RESTRICT acc, float scores[][
     }
 }
 
-/* Online-softmax attention of every query head of one token that sees keys 0..num_keys-1 of its
- * sequence. One work item per token, not per (token, head): each key's pool row (all kv heads,
+/* Online-softmax attention of every query head of one token that sees keys first_key..num_keys-1
+ * of its sequence (lse non-NULL: each head's log-sum-exp of its scores too, -inf over no keys,
+ * for merging with the other parts of a split context). One work item per token, not per (token, head): each key's pool row (all kv heads,
  * contiguous) is read once, front to back, so the hardware prefetcher streams whole blocks; a
  * per-head item reads a quarter of each row at a 1 KiB stride, which measured 4.6x slower on
  * pools larger than the caches. Keys are visited in chunks of KEY_CHUNK positions (not blocks),
@@ -245,7 +246,7 @@ static ALWAYS_INLINE void scalar_accumulate(float *RESTRICT acc, float scores[][
 static ALWAYS_INLINE void attend_impl(
     float *RESTRICT out, const float *RESTRICT q, const void *RESTRICT k_cache, const void *RESTRICT v_cache,
     const int32_t *RESTRICT table, int64_t first_key, int64_t num_keys, int64_t heads, int64_t kv_heads, int64_t dim,
-    int64_t block_size, float scale, const KvScales *RESTRICT qs, int dtype) {
+    int64_t block_size, float scale, const KvScales *RESTRICT qs, int dtype, float *RESTRICT lse) {
     float acc[MAX_HEADS_X_DIM];
     float max_score[MAX_HEADS_X_DIM / 32], denom[MAX_HEADS_X_DIM / 32];
     float scores[MAX_HEADS_X_DIM / 32][KEY_CHUNK], rescale[MAX_HEADS_X_DIM / 32];
@@ -312,12 +313,13 @@ static ALWAYS_INLINE void attend_impl(
         float *oh = out + h * dim, *ah = acc + h * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) oh[d] = ah[d] * inv;
+        if (lse) lse[h] = num_keys > first_key ? max_score[h] + logf(denom[h]) : -INFINITY;
     }
 }
 
 /* attend_impl with head_dim a compile-time constant where it is one of the common sizes, so its
  * loops become straight-line vector code. */
-#define ATTEND(D, T) attend_impl(out, q, k_cache, v_cache, table, first_key, num_keys, heads, kv_heads, D, block_size, scale, qs, T)
+#define ATTEND(D, T) attend_impl(out, q, k_cache, v_cache, table, first_key, num_keys, heads, kv_heads, D, block_size, scale, qs, T, lse)
 #define ATTEND_DIMS(T)                \
     switch (dim) {                    \
     case 64: ATTEND(64, T); break;    \

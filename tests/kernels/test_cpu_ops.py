@@ -56,14 +56,14 @@ def back_to_front_pools(keys, values, block_size):
     return k_cache, v_cache, torch.tensor([order], dtype=torch.int32)
 
 
-def run_attention(ops, query, k_cache, v_cache, tables, seq_lens, qsl, scale, window=0):
+def run_attention(ops, query, k_cache, v_cache, tables, seq_lens, qsl, scale, window=0, threads=THREADS):
     out = torch.full_like(query, float("nan"))
     heads, dim = query.shape[1], query.shape[2]
     status = ops.paged_attention(
         out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), dtype_code(k_cache.dtype),
         None, None, 0.0, 0.0, tables.data_ptr(),
         tables.shape[1], seq_lens.data_ptr(), qsl.data_ptr(), len(seq_lens), heads, k_cache.shape[2],
-        dim, k_cache.shape[1], scale, window, THREADS,
+        dim, k_cache.shape[1], scale, window, threads,
     )  # fmt: skip
     assert status == 0
     return out
@@ -108,6 +108,26 @@ def test_decode_rows_of_wide_gqa_groups_match_reference(ops, heads, kv_heads, di
     got = run_attention(ops, *batch, dim**-0.5)
     want = CpuAttentionBackend().paged_attention(
         query, k_cache.float(), v_cache.float(), tables, seq_lens, qsl, dim**-0.5, 1, max(ctx_lens)
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "threads,window,ctx_lens", [(2, 0, [2000]), (8, 0, [2000, 300]), (8, 700, [2000, 300]), (3, 0, [1000])]
+)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_long_decode_rows_split_across_threads_match_reference(ops, threads, window, ctx_lens, kv_dtype):
+    """Fewer decode rows than threads: each long row's keys split into parts whose outputs merge
+    by their log-sum-exp (2000 keys on 2 threads: 2 parts; 2 rows on 8 threads: 4 parts of 512,
+    a 700-key window 2, and the 300-key row too short to split; 1000 keys on 3 threads: 3 parts of
+    336), against the reference."""
+    rng = random.Random(threads * 10 + window)
+    q_lens = [1] * len(ctx_lens)
+    batch = random_paged_batch(rng, q_lens, ctx_lens, 8, 2, 64, 16, kv_dtype)
+    query, k_cache, v_cache, tables, seq_lens, qsl = batch
+    got = run_attention(ops, *batch, 0.125, window, threads=threads)
+    want = CpuAttentionBackend().paged_attention(
+        query, k_cache.float(), v_cache.float(), tables, seq_lens, qsl, 0.125, 1, max(ctx_lens), window=window
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
