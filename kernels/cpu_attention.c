@@ -84,6 +84,72 @@ static void merge_parts(float *out, const float *part_out, const float *part_lse
     }
 }
 
+/* A layer call's work: the items the threads take, the split tokens, and their parts' outputs
+ * (part_out [parts][heads * dim], part_lse [parts][heads]). */
+typedef struct {
+    WorkItem *items;
+    SplitToken *splits;
+    float *part_out, *part_lse;
+    int64_t count, n_splits;
+} Work;
+
+static void free_work(Work *w) {
+    free(w->part_lse);
+    free(w->part_out);
+    free(w->splits);
+    free(w->items);
+}
+
+/* The items of the sequences the AMX prefill tiles left (tiled[s] 0): prefill tiles of one kv
+ * head, and decode rows, a token per item or per part of its keys where they split. Returns 0,
+ * or -2 without memory (w is freeable either way). */
+static int plan_work(Work *w, const uint8_t *tiled, const int32_t *seq_lens, const int32_t *query_start_loc,
+                     int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim, int tiles_ok, int decode_tiles,
+                     int64_t window, int threads) {
+    const int64_t group = heads / kv_heads, tile_tokens = tiles_ok ? TILE_ROWS / group : 1;
+    int64_t tile_items = 0, rows = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        if (tiled[s]) continue;
+        int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+        if (by_tile(decode_tiles, tiles_ok, q_len, group))
+            tile_items += kv_heads * ((q_len + tile_tokens - 1) / tile_tokens);
+        else
+            rows += q_len;
+    }
+    /* parts exist only when the rows are fewer than the threads: at most rows * (threads / rows) */
+    const int64_t most_parts = !decode_tiles && rows < threads ? threads : 0;
+    *w = (Work){malloc((size_t)(tile_items + rows + most_parts + 1) * sizeof(WorkItem)),
+                malloc((size_t)(rows + 1) * sizeof(SplitToken)),
+                malloc((size_t)(most_parts + 1) * (size_t)(heads * dim) * sizeof(float)),
+                malloc((size_t)(most_parts + 1) * (size_t)heads * sizeof(float)), 0, 0};
+    if (!w->items || !w->splits || !w->part_out || !w->part_lse) return -2;
+    int64_t n_parts = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        if (tiled[s]) continue;
+        int64_t begin = query_start_loc[s], q_len = query_start_loc[s + 1] - begin;
+        if (by_tile(decode_tiles, tiles_ok, q_len, group)) {
+            for (int64_t t = 0; t < q_len; t += tile_tokens)
+                for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+                    w->items[w->count++] = (WorkItem){
+                        s, begin + t, q_len - t < tile_tokens ? q_len - t : tile_tokens, kvh, 0, 0, -1};
+            continue;
+        }
+        for (int64_t t = begin; t < begin + q_len; ++t) {
+            int64_t first_key, num_keys;
+            token_keys(seq_lens, query_start_loc, window, s, t, &first_key, &num_keys);
+            const int64_t per = decode_tiles ? num_keys : keys_per_part(num_keys - first_key, rows, threads);
+            if (per >= num_keys - first_key) {
+                w->items[w->count++] = (WorkItem){s, t, 1, -1, first_key, num_keys, -1};
+                continue;
+            }
+            w->splits[w->n_splits++] = (SplitToken){t, n_parts, (num_keys - first_key + per - 1) / per};
+            for (int64_t k = first_key; k < num_keys; k += per)
+                w->items[w->count++] = (WorkItem){s, t, 1, -1, k, k + per < num_keys ? k + per : num_keys, n_parts++};
+        }
+    }
+    return 0;
+}
+
 int paged_attention(float *out, const float *query, const void *k_cache, const void *v_cache, int kv_dtype,
                     const uint8_t *k_exps, const uint8_t *v_exps, float k_scale, float v_scale,
                     const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
@@ -109,7 +175,6 @@ int paged_attention_rows(float *out, const float *query, const void *k_cache, co
                          (v_scale == 0.f ? 1.f : v_scale) * unit};
     const int64_t group = heads / kv_heads;
     const int tiles_ok = dim <= TILE_MAX_DIM && dim % TILE_ROWS == 0 && group <= TILE_ROWS;
-    const int64_t tile_tokens = tiles_ok ? TILE_ROWS / group : 1;
     const int decode_tiles = amx_decode_fits(kv_dtype, dim, group);
     /* prefill chunks that AMX tiles take (avx512amx builds): tiled[s] */
     uint8_t *tiled = malloc((size_t)(num_seqs > 0 ? num_seqs : 1));
@@ -129,48 +194,13 @@ int paged_attention_rows(float *out, const float *query, const void *k_cache, co
             return status;
         }
     }
-    /* decode rows: a token per item, or per part of its keys where they split */
-    int64_t tile_items = 0, rows = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        if (tiled[s]) continue;
-        int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
-        if (by_tile(decode_tiles, tiles_ok, q_len, group))
-            tile_items += kv_heads * ((q_len + tile_tokens - 1) / tile_tokens);
-        else
-            rows += q_len;
-    }
-    /* parts exist only when the rows are fewer than the threads: at most rows * (threads / rows) */
-    const int64_t most_parts = !decode_tiles && rows < threads ? threads : 0;
-    WorkItem *items = malloc((size_t)(tile_items + rows + most_parts + 1) * sizeof(WorkItem));
-    SplitToken *splits = malloc((size_t)(rows + 1) * sizeof(SplitToken));
-    float *part_out = malloc((size_t)(most_parts + 1) * (size_t)(heads * dim) * sizeof(float));
-    float *part_lse = malloc((size_t)(most_parts + 1) * (size_t)heads * sizeof(float));
-    const int status = items && splits && part_out && part_lse ? 0 : -2;
-    int64_t count = 0, n_splits = 0, n_parts = 0;
+    Work work;
+    const int status = plan_work(&work, tiled, seq_lens, query_start_loc, num_seqs, heads, kv_heads, dim, tiles_ok,
+                                 decode_tiles, window, threads);
+    const WorkItem *items = work.items;
+    const int64_t count = work.count;
+    float *part_out = work.part_out, *part_lse = work.part_lse;
     if (status) goto done;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        if (tiled[s]) continue;
-        int64_t begin = query_start_loc[s], q_len = query_start_loc[s + 1] - begin;
-        if (by_tile(decode_tiles, tiles_ok, q_len, group)) {
-            for (int64_t t = 0; t < q_len; t += tile_tokens)
-                for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
-                    items[count++] = (WorkItem){s, begin + t, q_len - t < tile_tokens ? q_len - t : tile_tokens, kvh,
-                                                0, 0, -1};
-            continue;
-        }
-        for (int64_t t = begin; t < begin + q_len; ++t) {
-            int64_t first_key, num_keys;
-            token_keys(seq_lens, query_start_loc, window, s, t, &first_key, &num_keys);
-            const int64_t per = decode_tiles ? num_keys : keys_per_part(num_keys - first_key, rows, threads);
-            if (per >= num_keys - first_key) {
-                items[count++] = (WorkItem){s, t, 1, -1, first_key, num_keys, -1};
-                continue;
-            }
-            splits[n_splits++] = (SplitToken){t, n_parts, (num_keys - first_key + per - 1) / per};
-            for (int64_t k = first_key; k < num_keys; k += per)
-                items[count++] = (WorkItem){s, t, 1, -1, k, k + per < num_keys ? k + per : num_keys, n_parts++};
-        }
-    }
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (count >= 2)
     for (int64_t i = 0; i < count; ++i) {
         const WorkItem it = items[i];
@@ -191,15 +221,14 @@ int paged_attention_rows(float *out, const float *query, const void *k_cache, co
                         heads, kv_heads, dim, block_size, scale, window, &qs, kv_dtype);
         }
     }
-#pragma omp parallel for num_threads(threads) if (n_splits >= 2)
-    for (int64_t i = 0; i < n_splits; ++i)
-        merge_parts(out + splits[i].token * heads * dim, part_out + splits[i].first_part * heads * dim,
-                    part_lse + splits[i].first_part * heads, splits[i].parts, heads, dim);
+#pragma omp parallel for num_threads(threads) if (work.n_splits >= 2)
+    for (int64_t i = 0; i < work.n_splits; ++i) {
+        const SplitToken t = work.splits[i];
+        merge_parts(out + t.token * heads * dim, part_out + t.first_part * heads * dim,
+                    part_lse + t.first_part * heads, t.parts, heads, dim);
+    }
 done:
-    free(part_lse);
-    free(part_out);
-    free(splits);
-    free(items);
+    free_work(&work);
     free(tiled);
     return status;
 }
