@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from bench.ceilings import best_seconds, model_gemm_shapes
-from bench.common import decode_steps_lockstep, median
+from bench.common import decode_steps_lockstep, median, paged_decode_attention, random_decode_layout
 from kernels import cpu_build
 from worker.cpu_weights import PanelLinear
 from worker.default_model import PRESETS
@@ -139,25 +139,15 @@ def _attention_case(batch: int, context: int, layers: int, gen: torch.Generator)
     from kernels.cpu_build import DTYPES
 
     heads, kv_heads, dim, block_size = ATTENTION_GEOMETRY
-    blocks = batch * -(-context // block_size)
+    blocks, tables, lens, qsl = random_decode_layout(batch, context, block_size, gen)
     shape = (blocks + 1, block_size, kv_heads, dim)
     pools = [[torch.randn(*shape, generator=gen).bfloat16() for _ in range(2)] for _ in range(layers)]
-    tables = (torch.randperm(blocks, generator=gen) + 1).to(torch.int32).view(batch, -1).contiguous()
-    lens = torch.full((batch,), context, dtype=torch.int32)
-    qsl = torch.arange(batch + 1, dtype=torch.int32)
     query, none = torch.randn(batch, heads, dim, generator=gen), torch.zeros(1, dtype=torch.uint8)
 
     def step(o: cpu_build.CpuOps, out: torch.Tensor) -> None:
         for layer in range(24):
             k, v = pools[layer % layers]
-            status = o.paged_attention(
-                out.data_ptr(), query.data_ptr(), k.data_ptr(), v.data_ptr(), DTYPES["bfloat16"],
-                none.data_ptr(), none.data_ptr(), 0.0, 0.0, tables.data_ptr(), tables.shape[1],
-                lens.data_ptr(), qsl.data_ptr(), batch, heads, kv_heads, dim, block_size, dim**-0.5, 0,
-                torch.get_num_threads(),
-            )  # fmt: skip
-            if status != 0:
-                raise RuntimeError(f"paged_attention returned {status}")
+            paged_decode_attention(o, out, query, k, v, DTYPES["bfloat16"], none, none, tables, lens, qsl)
 
     return query, step
 

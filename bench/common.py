@@ -112,3 +112,33 @@ def decode_steps_lockstep(
         engine.scheduler.abort_all()
         engine.run_to_completion()
     return result
+
+
+def random_decode_layout(batch: int, context: int, block_size: int, gen):
+    """(blocks, tables, seq_lens, query_start_loc) of `batch` decode rows at `context` keys each,
+    their blocks (1.., block 0 unused) in a shuffled order over the pool: the input of the
+    kernels' paged_attention for a decode step."""
+    import torch
+
+    per_row = -(-context // block_size)
+    blocks = batch * per_row
+    tables = (torch.randperm(blocks, generator=gen) + 1).to(torch.int32).view(batch, per_row).contiguous()
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    return blocks, tables, lens, torch.arange(batch + 1, dtype=torch.int32)
+
+
+def paged_decode_attention(ops, out, query, k, v, code: int, k_exps, v_exps, tables, lens, qsl) -> None:
+    """One call of the kernels' paged_attention (kernels/cpu_attention.c) over decode rows:
+    query/out [rows, heads, dim], pools [blocks, block_size, kv_heads, dim] of dtype `code`
+    (kernels.cpu_build.DTYPES / KV_CODE_DTYPES), scale dim ** -0.5, no window."""
+    import torch
+
+    heads, dim = query.shape[1:]
+    block_size, kv_heads = k.shape[1:3]
+    status = ops.paged_attention(
+        out.data_ptr(), query.data_ptr(), k.data_ptr(), v.data_ptr(), code, k_exps.data_ptr(),
+        v_exps.data_ptr(), 0.0, 0.0, tables.data_ptr(), tables.shape[1], lens.data_ptr(), qsl.data_ptr(),
+        len(lens), heads, kv_heads, dim, block_size, dim**-0.5, 0, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"paged_attention returned {status}")

@@ -26,7 +26,7 @@ import time
 import torch
 
 from base.plan import ContinuingSequence, NewSequence, Plan, SamplingParams
-from bench.common import decode_steps_lockstep, median
+from bench.common import decode_steps_lockstep, median, paged_decode_attention, random_decode_layout
 from bench.suite_cli import suite_main
 from worker.worker import Worker
 from worker.worker_config import WorkerConfig
@@ -48,11 +48,9 @@ def attention_seconds(batch: int, context: int, rounds: int, block_size: int = 1
     from worker.kv_quant import FORMATS, quantize
 
     ops, heads, kv_heads, dim = load_cpu_ops(), 8, 2, 64
-    blocks = batch * context // block_size
     gen = torch.Generator().manual_seed(0)
+    blocks, tables, lens, qsl = random_decode_layout(batch, context, block_size, gen)
     k, v = (torch.randn(blocks + 1, block_size, kv_heads, dim, generator=gen) for _ in range(2))
-    tables = (torch.randperm(blocks, generator=gen) + 1).to(torch.int32).view(batch, -1).contiguous()
-    lens, qsl = torch.full((batch,), context, dtype=torch.int32), torch.arange(batch + 1, dtype=torch.int32)
     query = torch.randn(batch, heads, dim, generator=gen)
     out, none = torch.empty_like(query), torch.zeros(1, dtype=torch.uint8)
     pools = {"auto": (DTYPES["bfloat16"], k.bfloat16(), v.bfloat16(), none, none)}
@@ -63,14 +61,8 @@ def attention_seconds(batch: int, context: int, rounds: int, block_size: int = 1
     for _ in range(rounds + 1):  # the first round: warm-up
         for kind, (code, kp, vp, kb, vb) in pools.items():
             started = time.perf_counter()
-            status = ops.paged_attention(
-                out.data_ptr(), query.data_ptr(), kp.data_ptr(), vp.data_ptr(), code, kb.data_ptr(),
-                vb.data_ptr(), 0.0, 0.0, tables.data_ptr(), tables.shape[1], lens.data_ptr(), qsl.data_ptr(),
-                batch, heads, kv_heads, dim, block_size, dim**-0.5, 0, torch.get_num_threads(),
-            )  # fmt: skip
+            paged_decode_attention(ops, out, query, kp, vp, code, kb, vb, tables, lens, qsl)
             samples[kind].append(time.perf_counter() - started)
-            if status != 0:
-                raise RuntimeError(f"paged_attention returned {status}")
     return {kind: median(s[1:]) for kind, s in samples.items()}
 
 

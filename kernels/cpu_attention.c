@@ -25,7 +25,8 @@
 #include "cpu_simd.h"
 
 /* One unit of parallel work: a token (all heads, attend_token_*), a part of a decode token's keys
- * (part >= 0: keys [key_begin, key_end), into the part buffers), or a prefill tile (attend_tile). */
+ * (part >= 0: into the part buffers), or a prefill tile (attend_tile). [key_begin, key_end): the
+ * keys the item's (first) token sees, or the part's share of them. */
 typedef struct {
     int64_t seq, first_token, n_tokens, kv_head; /* kv_head < 0: a whole-token item */
     int64_t key_begin, key_end, part;
@@ -117,21 +118,26 @@ static int plan_work(Work *w, const uint8_t *tiled, const int32_t *seq_lens, con
             rows += q_len;
     }
     /* parts exist only when the rows are fewer than the threads: at most rows * (threads / rows) */
-    const int64_t most_parts = !decode_tiles && rows < threads ? threads : 0;
-    *w = (Work){malloc((size_t)(tile_items + rows + most_parts + 1) * sizeof(WorkItem)),
-                malloc((size_t)(rows + 1) * sizeof(SplitToken)),
-                malloc((size_t)(most_parts + 1) * (size_t)(heads * dim) * sizeof(float)),
-                malloc((size_t)(most_parts + 1) * (size_t)heads * sizeof(float)), 0, 0};
-    if (!w->items || !w->splits || !w->part_out || !w->part_lse) return -2;
+    const int64_t most_parts = !decode_tiles && rows > 0 && rows < threads ? threads : 0;
+    *w = (Work){malloc((size_t)(tile_items + rows + most_parts + 1) * sizeof(WorkItem)), NULL, NULL, NULL, 0, 0};
+    if (most_parts) { /* no split buffers on a step whose rows keep the threads busy */
+        w->splits = malloc((size_t)rows * sizeof(SplitToken));
+        w->part_out = malloc((size_t)(most_parts * heads * dim) * sizeof(float));
+        w->part_lse = malloc((size_t)(most_parts * heads) * sizeof(float));
+    }
+    if (!w->items || (most_parts && (!w->splits || !w->part_out || !w->part_lse))) return -2;
     int64_t n_parts = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
         if (tiled[s]) continue;
         int64_t begin = query_start_loc[s], q_len = query_start_loc[s + 1] - begin;
         if (by_tile(decode_tiles, tiles_ok, q_len, group)) {
-            for (int64_t t = 0; t < q_len; t += tile_tokens)
+            for (int64_t t = 0; t < q_len; t += tile_tokens) {
+                int64_t first_key, num_keys; /* of the tile's first token */
+                token_keys(seq_lens, query_start_loc, window, s, begin + t, &first_key, &num_keys);
                 for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
                     w->items[w->count++] = (WorkItem){
-                        s, begin + t, q_len - t < tile_tokens ? q_len - t : tile_tokens, kvh, 0, 0, -1};
+                        s, begin + t, q_len - t < tile_tokens ? q_len - t : tile_tokens, kvh, first_key, num_keys, -1};
+            }
             continue;
         }
         for (int64_t t = begin; t < begin + q_len; ++t) {
@@ -214,12 +220,9 @@ int paged_attention_rows(float *out, const float *query, const void *k_cache, co
                 it.part >= 0 ? part_out + it.part * heads * dim : out + it.first_token * heads * dim, q, k_cache,
                 v_cache, table, it.key_begin, it.key_end, heads, kv_heads, dim, block_size, scale, &qs, kv_dtype,
                 it.part >= 0 ? part_lse + it.part * heads : NULL);
-        else {
-            const int64_t q_len = query_start_loc[it.seq + 1] - query_start_loc[it.seq];
-            const int64_t pos = seq_lens[it.seq] - q_len + (it.first_token - query_start_loc[it.seq]);
-            attend_tile(out, query, k_cache, v_cache, table, it.first_token, it.n_tokens, pos, it.kv_head,
+        else /* key_end - 1: the position of the tile's first token */
+            attend_tile(out, query, k_cache, v_cache, table, it.first_token, it.n_tokens, it.key_end - 1, it.kv_head,
                         heads, kv_heads, dim, block_size, scale, window, &qs, kv_dtype);
-        }
     }
 #pragma omp parallel for num_threads(threads) if (work.n_splits >= 2)
     for (int64_t i = 0; i < work.n_splits; ++i) {

@@ -209,9 +209,10 @@ static ALWAYS_INLINE void softmax_chunk(float scores[][KEY_CHUNK], SoftmaxState 
 
 /* Scores and P V one element at a time, for head_dims the vector paths do not take (not a
  * multiple of 16, or past MAX_VEC_DIM). scales: a quantized pool's per-key scales, by kv head. */
-static ALWAYS_INLINE void scalar_scores(float scores[][KEY_CHUNK], const float *RESTRICT q, const void *RESTRICT k_cache,
-                                        const int64_t *RESTRICT rows, int64_t n, int64_t heads, int64_t group,
-                                        int64_t dim, float scale, float scales[][KEY_CHUNK], int dtype) {
+static ALWAYS_INLINE void scalar_scores(float scores[][KEY_CHUNK], const float *RESTRICT q,
+                                        const void *RESTRICT k_cache, const int64_t *RESTRICT rows, int64_t n,
+                                        int64_t heads, int64_t group, int64_t dim, float scale,
+                                        float scales[][KEY_CHUNK], int dtype) {
     for (int64_t h = 0; h < heads; ++h)
         for (int64_t j = 0; j < n; ++j) {
             const int64_t kv_offset = (h / group) * dim;
@@ -221,10 +222,10 @@ static ALWAYS_INLINE void scalar_scores(float scores[][KEY_CHUNK], const float *
         }
 }
 
-static ALWAYS_INLINE void scalar_accumulate(float *RESTRICT acc, float scores[][KEY_CHUNK], const float *RESTRICT rescale,
-                                            const void *RESTRICT v_cache, const int64_t *RESTRICT rows, int64_t n,
-                                            int64_t heads, int64_t group, int64_t dim, float scales[][KEY_CHUNK],
-                                            int dtype) {
+static ALWAYS_INLINE void scalar_accumulate(float *RESTRICT acc, float scores[][KEY_CHUNK],
+                                            const float *RESTRICT rescale, const void *RESTRICT v_cache,
+                                            const int64_t *RESTRICT rows, int64_t n, int64_t heads, int64_t group,
+                                            int64_t dim, float scales[][KEY_CHUNK], int dtype) {
     for (int64_t h = 0; h < heads; ++h) {
         const int64_t kv_offset = (h / group) * dim;
         float *ah = acc + h * dim;
@@ -238,7 +239,8 @@ static ALWAYS_INLINE void scalar_accumulate(float *RESTRICT acc, float scores[][
 
 /* Online-softmax attention of every query head of one token that sees keys first_key..num_keys-1
  * of its sequence (lse non-NULL: each head's log-sum-exp of its scores too, -inf over no keys,
- * for merging with the other parts of a split context). One work item per token, not per (token, head): each key's pool row (all kv heads,
+ * for merging with the other parts of a split context). One work item per token, not per
+ * (token, head): each key's pool row (all kv heads,
  * contiguous) is read once, front to back, so the hardware prefetcher streams whole blocks; a
  * per-head item reads a quarter of each row at a 1 KiB stride, which measured 4.6x slower on
  * pools larger than the caches. Keys are visited in chunks of KEY_CHUNK positions (not blocks),
@@ -282,9 +284,10 @@ static ALWAYS_INLINE void attend_impl(
                     const int64_t h0 = c * group + hb, nh = group - hb < GROUP_BATCH ? group - hb : GROUP_BATCH;
                     far_step(&far, k_cache, v_cache, elem, row_stride * elem, 0);
                     if (on_lanes)
-                        keys_on_lanes_probabilities(scores + h0, (SoftmaxState){max_score + h0, denom + h0, rescale + h0},
-                                             q + h0 * dim, (const char *)k_cache + c * dim * elem, rows, n, dim, nh,
-                                             scale, dtype);
+                        keys_on_lanes_probabilities(scores + h0,
+                                                    (SoftmaxState){max_score + h0, denom + h0, rescale + h0},
+                                                    q + h0 * dim, (const char *)k_cache + c * dim * elem, rows, n,
+                                                    dim, nh, scale, dtype);
                     else
                         group_scores(scores + h0, q + h0 * dim, (const char *)k_cache + c * dim * elem, rows, n,
                                      dim, nh, scale, key_scales[c], dtype);
@@ -293,7 +296,7 @@ static ALWAYS_INLINE void attend_impl(
             scalar_scores(scores, q, k_cache, rows, n, heads, group, dim, scale, key_scales, dtype);
         }
         far_step(&far, k_cache, v_cache, elem, row_stride * elem, 0);
-        if (!(vectors && on_lanes)) softmax_chunk(scores, softmax, heads, n);
+        if (!on_lanes) softmax_chunk(scores, softmax, heads, n); /* on_lanes implies vectors */
         if (vectors) {
             for (int64_t c = 0; c < kv_heads; ++c)
                 for (int64_t hb = 0; hb < group; hb += GROUP_BATCH) {
@@ -319,7 +322,9 @@ static ALWAYS_INLINE void attend_impl(
 
 /* attend_impl with head_dim a compile-time constant where it is one of the common sizes, so its
  * loops become straight-line vector code. */
-#define ATTEND(D, T) attend_impl(out, q, k_cache, v_cache, table, first_key, num_keys, heads, kv_heads, D, block_size, scale, qs, T, lse)
+#define ATTEND(D, T)                                                                                            \
+    attend_impl(out, q, k_cache, v_cache, table, first_key, num_keys, heads, kv_heads, D, block_size, scale, qs, T, \
+                lse)
 #define ATTEND_DIMS(T)                \
     switch (dim) {                    \
     case 64: ATTEND(64, T); break;    \

@@ -91,8 +91,7 @@ static int64_t row_argmax1(const float *x, int64_t n) {
     int64_t t = 0;
     for (; t + 16 <= n; t += 16) { /* vector max (a bit select) and a NaN mask, no branches */
         const v16 v = load16(x + t);
-        const v16w above = (v16w)(v > lanes);
-        lanes = as_float16((as_bits16(v) & above) | (as_bits16(lanes) & ~above));
+        lanes = select16(v > lanes, v, lanes);
         nan_lanes |= v != v;
     }
     float best = -INFINITY;
