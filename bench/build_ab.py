@@ -15,15 +15,18 @@ minutes apart whose background load differs.
   shuffled order, one call per layer: ms per 24 calls, best of each round. The pools outgrow
   the caches as a forward's do (--attention-layers 1: one layer's pools 24 times, in cache: the
   arithmetic alone).
+- prompt attention: the same for one whole prompt of each length (--prompt-attention): the
+  prefill tiles (attend_tile, or the AMX prefill tiles where they run).
 
 The first build is the control: each figure's `ratio` is control / build (> 1: the build is
 faster). Not part of `make bench`: a tool for kernel work, printing JSON.
 
     python -m bench.build_ab -D PK_GEMM_AHEAD=0 -D PK_GEMM_AHEAD=1 \\
         [--variant avx512bf16] [--dtype bfloat16] [--rows 1,16,64,256] [--decode 1,16,64] [--prefill 256]
-        [--attention 16 --context 1024]
+        [--attention 16 --context 1024] [--prompt-attention 256,1024]
 
-`-D "AMX_KC=512 AMX_MC=128"` defines several macros in one build.
+`-D "AMX_KC=512 AMX_MC=128"` defines several macros in one build; `-D @HEAD` (or `-D "@REV X=1"`)
+builds the kernels of a git revision, to time a rewrite against the code it replaces.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -47,8 +51,20 @@ MODEL = "random:qwen2.5-0.5b"
 QWEN05_LINEARS = model_gemm_shapes(PRESETS["qwen2.5-0.5b"])
 
 
+def _kernel_sources(rev: str, out_dir: Path) -> Path:
+    """kernels/ as of the git revision `rev`, extracted under out_dir."""
+    root = Path(__file__).resolve().parents[1]
+    dest = out_dir / f"src-{rev.replace('/', '_')}"
+    dest.mkdir()
+    git = ["git", "-C", str(root), "archive", rev, "kernels"]
+    archive = subprocess.run(git, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return dest / "kernels"
+
+
 def build_all(defines: list[str], variant_name: str | None, out_dir: Path) -> dict[str, cpu_build.CpuOps]:
-    """One library per `defines` entry, of `variant_name` (default: the best this CPU runs)."""
+    """One library per `defines` entry, of `variant_name` (default: the best this CPU runs). An
+    entry's `@REV` word builds the kernel sources of that git revision instead of the tree's."""
     variants = cpu_build.usable_variants()
     variant = next((v for v in variants if v.name == variant_name), None) if variant_name else variants[0]
     if variant is None:
@@ -59,9 +75,13 @@ def build_all(defines: list[str], variant_name: str | None, out_dir: Path) -> di
         raise SystemExit("no C compiler: the builds need one")
     ops = {}
     for i, define in enumerate(defines):
-        flags = tuple(f"-D{d}" for d in define.split())
+        words = define.split()
+        revs = [w[1:] for w in words if w.startswith("@")]
+        sources = _kernel_sources(revs[0], out_dir) if revs else cpu_build.HERE
+        flags = tuple(f"-D{d}" for d in words if not d.startswith("@"))
         out = out_dir / f"build{i}-{variant.name}.so"
-        cpu_build.compile_variant(dataclasses.replace(variant, flags=(*variant.flags, *flags)), out, cc)
+        built = dataclasses.replace(variant, flags=(*variant.flags, *flags))
+        cpu_build.compile_variant(built, out, cc, sources)
         ops[define] = cpu_build.CpuOps(out, variant.name, f"build_ab {define}")
     return ops
 
@@ -133,16 +153,20 @@ def forward_steps(ops: dict, dtype: str, batches: list[int], prefills: list[int]
 ATTENTION_GEOMETRY = (14, 2, 64, 16)  # the 0.5B's query heads, kv heads, head_dim; blocks of 16
 
 
-def _attention_case(batch: int, context: int, layers: int, gen: torch.Generator):
+def _attention_case(batch: int, context: int, layers: int, gen: torch.Generator, prompt: bool = False):
     """(query, step): bf16 pools of `layers` layers, a shuffled block table, and a step that calls
-    the decode attention once per each of 24 layers into `out`."""
+    the attention once per each of 24 layers into `out`: `batch` decode rows at `context` keys,
+    or (prompt) one whole prompt of `context` tokens, the prefill tiles' work."""
     from kernels.cpu_build import DTYPES
 
     heads, kv_heads, dim, block_size = ATTENTION_GEOMETRY
     blocks, tables, lens, qsl = random_decode_layout(batch, context, block_size, gen)
+    rows = batch
+    if prompt:
+        qsl, rows = torch.tensor([0, context], dtype=torch.int32), context
     shape = (blocks + 1, block_size, kv_heads, dim)
     pools = [[torch.randn(*shape, generator=gen).bfloat16() for _ in range(2)] for _ in range(layers)]
-    query, none = torch.randn(batch, heads, dim, generator=gen), torch.zeros(1, dtype=torch.uint8)
+    query, none = torch.randn(rows, heads, dim, generator=gen), torch.zeros(1, dtype=torch.uint8)
 
     def step(o: cpu_build.CpuOps, out: torch.Tensor) -> None:
         for layer in range(24):
@@ -152,11 +176,12 @@ def _attention_case(batch: int, context: int, layers: int, gen: torch.Generator)
     return query, step
 
 
-def attention(ops: dict, batches: list[int], context: int, layers: int, rounds: int = 6) -> dict:
+def attention(ops: dict, cases: list[tuple[str, int, int, bool]], layers: int, rounds: int = 6) -> dict:
+    """cases: (name, batch, context, prompt) as _attention_case takes them."""
     gen = torch.Generator().manual_seed(0)
     res = {}
-    for batch in batches:
-        query, step = _attention_case(batch, context, layers, gen)
+    for name, batch, context, prompt in cases:
+        query, step = _attention_case(batch, context, layers, gen, prompt)
         outs = {key: torch.empty_like(query) for key in ops}
         times: dict[str, list[float]] = {key: [] for key in ops}
         for _ in range(rounds):
@@ -164,9 +189,9 @@ def attention(ops: dict, batches: list[int], context: int, layers: int, rounds: 
                 seconds = best_seconds(lambda o=o, out=outs[key], step=step: step(o, out), 1)
                 times[key].append(round(seconds * 1e3, 2))
         first = outs[next(iter(ops))]
-        res[f"attention_b{batch}"] = _with_ratio(times, min)
+        res[name] = _with_ratio(times, min)
         for key in list(ops)[1:]:
-            res[f"attention_b{batch}"][key]["max_abs_diff"] = float((outs[key] - first).abs().max())
+            res[name][key]["max_abs_diff"] = float((outs[key] - first).abs().max())
     return res
 
 
@@ -183,11 +208,14 @@ def main() -> None:
     ap.add_argument("--decode", type=_ints, default=[1, 16, 64], help="decode batch sizes ('' for none)")
     ap.add_argument("--context", type=int, default=128, help="decode / attention: keys a sequence attends to")
     ap.add_argument("--attention", type=_ints, default=[], help="decode attention alone: batch sizes")
+    ap.add_argument("--prompt-attention", type=_ints, default=[], help="prefill attention: prompt lengths")
     ap.add_argument("--attention-layers", type=int, default=24, help="attention: distinct layers' pools")
     ap.add_argument("--prefill", type=_ints, default=[256], help="prefill lengths ('' for none)")
     args = ap.parse_args()
     if len(args.defines) < 2:
         ap.error("give two or more -D builds (the first is the control)")
+    cases = [(f"attention_b{b}", b, args.context, False) for b in args.attention]
+    cases += [(f"prompt_attention_{n}", 1, n, True) for n in args.prompt_attention]
     with tempfile.TemporaryDirectory(prefix="pagedkv-build-ab-") as tmp:
         ops = build_all(args.defines, args.variant, Path(tmp))
         res = {
@@ -196,7 +224,7 @@ def main() -> None:
             "loadavg_before": open("/proc/loadavg").read().split()[:3],
             "linears": linears(ops, getattr(torch, args.dtype), args.rows) if args.rows else {},
             "forward": forward_steps(ops, args.dtype, args.decode, args.prefill, args.context),
-            "attention": attention(ops, args.attention, args.context, args.attention_layers),
+            "attention": attention(ops, cases, args.attention_layers),
             "loadavg_after": open("/proc/loadavg").read().split()[:3],
         }
     print(json.dumps(res, indent=1))

@@ -5,10 +5,91 @@
 #include "cpu_attention.h"
 #include "cpu_simd.h"
 
+/* The tile's two products run on the target's own vector width (VN floats), not on v16: GCC's
+ * avx2 build keeps v16 values (a size it has no register for) on the stack and builds each
+ * scalar-times-v16 through 16 stores, 8x slower than the AVX-512 build. They are blocked so no
+ * FMA waits on the one before it (a result takes 4 cycles; one chain per key or output vector
+ * ran at a quarter of the FMA rate): SCORE_KEYS keys' scores build up side by side, and P.V
+ * updates PV_ROWS rows x PV_VECS vectors of the output together, within the register file. */
+#if defined(__AVX512F__)
+#define VN 16
+#define SCORE_KEYS 8
+#define PV_ROWS 4
+#define PV_VECS 4
+#elif defined(__AVX__)
+#define VN 8
+#define SCORE_KEYS 8
+#define PV_ROWS 4
+#define PV_VECS 2
+#else /* SSE2, NEON */
+#define VN 4
+#define SCORE_KEYS 4
+#define PV_ROWS 4
+#define PV_VECS 2
+#endif
+typedef float vn __attribute__((vector_size(VN * 4)));
+
+static ALWAYS_INLINE vn loadn(const float *p) {
+    vn v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static ALWAYS_INLINE void storen(float *p, vn v) { memcpy(p, &v, sizeof v); }
+
+/* One work item's state, in float arrays moved a vector at a time. */
+typedef struct {
+    float qt[TILE_MAX_DIM][TILE_ROWS];   /* the rows' queries times the scale, transposed */
+    float acc[TILE_ROWS][TILE_MAX_DIM];  /* the rows' outputs so far */
+    float s[KEY_CHUNK][TILE_ROWS];       /* a chunk's scores, then its probabilities */
+    float kf[KEY_CHUNK][TILE_MAX_DIM];   /* the chunk's K and V rows, widened to fp32 */
+    float vf[KEY_CHUNK][TILE_MAX_DIM];
+} __attribute__((aligned(64))) TileBuffers;
+
+/* A chunk's K or V rows as fp32 (quantized pools: the codes, their scales applied by the caller),
+ * rows [n, rows) zero: the products below run over whole key groups. */
+static ALWAYS_INLINE void widen_chunk(float (*dst)[TILE_MAX_DIM], const void *RESTRICT cache, const int64_t *offs,
+                                      int64_t n, int64_t rows, int64_t dim, int dtype) {
+    for (int64_t j = 0; j < rows; ++j)
+        for (int64_t d = 0; d < dim; d += TILE_ROWS)
+            store16(&dst[j][d], j < n ? load16_kv(cache, offs[j] + d, dtype) : (v16){0});
+}
+
+/* The 16 rows' scores against the chunk's keys [0, n) rounded up to SCORE_KEYS, into b->s:
+ * each key's sum over d in order, as one chain would add it. */
+static ALWAYS_INLINE void tile_scores(TileBuffers *RESTRICT b, int64_t n, int64_t dim) {
+    for (int64_t r0 = 0; r0 < TILE_ROWS; r0 += VN)
+        for (int64_t j0 = 0; j0 < n; j0 += SCORE_KEYS) {
+            vn a[SCORE_KEYS];
+            for (int i = 0; i < SCORE_KEYS; ++i) a[i] = (vn){0};
+            for (int64_t d = 0; d < dim; ++d) {
+                const vn q = loadn(&b->qt[d][r0]);
+                for (int i = 0; i < SCORE_KEYS; ++i) a[i] += q * b->kf[j0 + i][d];
+            }
+            for (int i = 0; i < SCORE_KEYS; ++i) storen(&b->s[j0 + i][r0], a[i]);
+        }
+}
+
+/* acc[r][d] = acc[r][d] * rescale[r] + sum_j p[j][r] * vf[j][d] for PV_ROWS rows from r0 and
+ * `vecs` (<= PV_VECS) vectors of dims from d0: each sum in key order. */
+static ALWAYS_INLINE void pv_block(TileBuffers *RESTRICT b, const float *rescale, int64_t n, int64_t r0, int64_t d0,
+                                   int vecs) {
+    vn a[PV_ROWS][PV_VECS];
+    for (int i = 0; i < PV_ROWS; ++i)
+        for (int c = 0; c < vecs; ++c) a[i][c] = loadn(&b->acc[r0 + i][d0 + c * VN]) * rescale[r0 + i];
+    for (int64_t j = 0; j < n; ++j)
+        for (int c = 0; c < vecs; ++c) {
+            const vn v = loadn(&b->vf[j][d0 + c * VN]);
+            for (int i = 0; i < PV_ROWS; ++i) a[i][c] += b->s[j][r0 + i] * v;
+        }
+    for (int i = 0; i < PV_ROWS; ++i)
+        for (int c = 0; c < vecs; ++c) storen(&b->acc[r0 + i][d0 + c * VN], a[i][c]);
+}
+
 /* Prefill attention for one tile: up to TILE_ROWS rows = (token, head) pairs of ONE kv head,
  * tokens first_token.. of one sequence at positions first_pos... Q is transposed once into
  * qt[d] = (row 0..15), so a key's scores for all rows are one vector FMA per d (K[d] broadcast)
- * with no horizontal reductions, and each K/V row is loaded once for all the tile's rows.
+ * with no horizontal reductions; each chunk's K/V rows are widened once for all the tile's rows.
  * Rows see only keys at positions <= their own (the diagonal chunk is masked). */
 static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const void *RESTRICT k_cache,
                                            const void *RESTRICT v_cache, const int32_t *RESTRICT table,
@@ -17,8 +98,8 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
                                            int64_t block_size, float scale, int64_t window,
                                            const KvScales *RESTRICT qs, int dtype) {
     const int64_t group = heads / kv_heads, rows = n_tokens * group, row_stride = kv_heads * dim;
-    const int64_t dim_blocks = dim / TILE_ROWS;
-    v16 qt[TILE_MAX_DIM], acc[TILE_ROWS][TILE_MAX_DIM / TILE_ROWS], s[KEY_CHUNK];
+    TileBuffers buffers, *b = &buffers;
+    float (*s)[TILE_ROWS] = b->s;
     float m[TILE_ROWS], l[TILE_ROWS], rescale[TILE_ROWS];
     int64_t row_pos[TILE_ROWS], offs[KEY_CHUNK];
     float ks[KEY_CHUNK], vs[KEY_CHUNK]; /* quantized pools: each chunk key's scales */
@@ -26,10 +107,10 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
         /* padding rows repeat the last real row (their output is dropped) */
         int64_t rr = r < rows ? r : rows - 1, tok = rr / group, h = kv_head * group + rr % group;
         const float *q = query + ((first_token + tok) * heads + h) * dim;
-        for (int64_t d = 0; d < dim; ++d) qt[d][r] = q[d] * scale;
+        for (int64_t d = 0; d < dim; ++d) b->qt[d][r] = q[d] * scale;
         row_pos[r] = first_pos + tok;
         m[r] = -INFINITY, l[r] = 0.f;
-        for (int64_t db = 0; db < dim_blocks; ++db) acc[r][db] = (v16){0};
+        for (int64_t d = 0; d < dim; d += TILE_ROWS) store16(&b->acc[r][d], (v16){0});
     }
     const int64_t num_keys = first_pos + n_tokens, last_pos = num_keys - 1;
     /* a sliding window: the first row sees keys from first_pos - window + 1 on */
@@ -46,12 +127,11 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
                 ks[j] = kv_scale_of(qs->k_exps[offs[j] / dim]) * qs->k_unit;
                 vs[j] = kv_scale_of(qs->v_exps[offs[j] / dim]) * qs->v_unit;
             }
-        for (int64_t j = 0; j < n; ++j) {
-            v16 sj = {0};
-            for (int64_t d = 0; d < dim; ++d) sj += qt[d] * load1_kv(k_cache, offs[j] + d, dtype);
-            if (kv_is_quantized(dtype)) sj *= ks[j];
-            s[j] = sj;
-        }
+        widen_chunk(b->kf, k_cache, offs, n, (n + SCORE_KEYS - 1) / SCORE_KEYS * SCORE_KEYS, dim, dtype);
+        widen_chunk(b->vf, v_cache, offs, n, n, dim, dtype);
+        tile_scores(b, n, dim);
+        if (kv_is_quantized(dtype))
+            for (int64_t j = 0; j < n; ++j) store16(s[j], load16(s[j]) * ks[j]);
         if (start + n - 1 > first_pos) /* the diagonal chunk: hide keys after each row */
             for (int64_t j = 0; j < n; ++j)
                 for (int64_t r = 0; r < TILE_ROWS; ++r)
@@ -72,34 +152,24 @@ static ALWAYS_INLINE void attend_tile_impl(float *out, const float *query, const
             l[r] *= rescale[r];
             m[r] = cm[r];
         }
-        for (int64_t j = 0; j < n; ++j) {
-            float p[TILE_ROWS];
+        for (int64_t j = 0; j < n; ++j)
 #pragma omp simd
             for (int64_t r = 0; r < TILE_ROWS; ++r) {
                 /* masked keys: exactly 0, not exp_approx's clamped e^-87 */
-                p[r] = s[j][r] == -INFINITY ? 0.f : exp_approx(s[j][r] - cm[r]);
-                l[r] += p[r];
+                const float p = s[j][r] == -INFINITY ? 0.f : exp_approx(s[j][r] - cm[r]);
+                l[r] += p;
+                s[j][r] = kv_is_quantized(dtype) ? p * vs[j] : p; /* V's scale goes with p, as (p * vs) * code */
             }
-            for (int64_t r = 0; r < TILE_ROWS; ++r) s[j][r] = p[r];
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t db = 0; db < dim_blocks; ++db) {
-                v16 a = acc[r][db] * rescale[r];
-                if (kv_is_quantized(dtype))
-                    for (int64_t j = 0; j < n; ++j) a += (s[j][r] * vs[j]) * load16_code(v_cache, offs[j] + db * TILE_ROWS, dtype);
-                else
-                    for (int64_t j = 0; j < n; ++j) a += s[j][r] * load16_as(v_cache, offs[j] + db * TILE_ROWS, dtype);
-                acc[r][db] = a;
-            }
+        for (int64_t r0 = 0; r0 < rows; r0 += PV_ROWS) { /* rows past `rows` are padding: dropped */
+            int64_t d0 = 0;
+            for (; d0 + PV_VECS * VN <= dim; d0 += PV_VECS * VN) pv_block(b, rescale, n, r0, d0, PV_VECS);
+            for (; d0 < dim; d0 += VN) pv_block(b, rescale, n, r0, d0, 1);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
         int64_t tok = r / group, h = kv_head * group + r % group;
         float *o = out + ((first_token + tok) * heads + h) * dim, inv = 1.f / l[r];
-        for (int64_t db = 0; db < dim_blocks; ++db) {
-            v16 v = acc[r][db] * inv;
-            memcpy(o + db * TILE_ROWS, &v, sizeof v);
-        }
+        for (int64_t d = 0; d < dim; d += TILE_ROWS) store16(o + d, load16(&b->acc[r][d]) * inv);
     }
 }
 
