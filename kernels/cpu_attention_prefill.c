@@ -5,37 +5,24 @@
 #include "cpu_attention.h"
 #include "cpu_simd.h"
 
-/* The tile's two products run on the target's own vector width (VN floats), not on v16: GCC's
- * avx2 build keeps v16 values (a size it has no register for) on the stack and builds each
- * scalar-times-v16 through 16 stores, 8x slower than the AVX-512 build. They are blocked so no
- * FMA waits on the one before it (a result takes 4 cycles; one chain per key or output vector
- * ran at a quarter of the FMA rate): SCORE_KEYS keys' scores build up side by side, and P.V
- * updates PV_ROWS rows x PV_VECS vectors of the output together, within the register file. */
-#if defined(__AVX512F__)
-#define VN 16
+/* The tile's two products run on the target's own vector width (vn, cpu_simd.h: v16 arrays ran
+ * 8x slower in the avx2 build). They are blocked so no FMA waits on the one before it (a result
+ * takes 4 cycles; one chain per key or output vector ran at a quarter of the FMA rate):
+ * SCORE_KEYS keys' scores build up side by side, and P.V updates PV_ROWS rows x PV_VECS vectors
+ * of the output together, within the register file. */
+#if VN == 16
 #define SCORE_KEYS 8
 #define PV_ROWS 4
 #define PV_VECS 4
-#elif defined(__AVX__)
-#define VN 8
+#elif VN == 8
 #define SCORE_KEYS 8
 #define PV_ROWS 4
 #define PV_VECS 2
-#else /* SSE2, NEON */
-#define VN 4
+#else
 #define SCORE_KEYS 4
 #define PV_ROWS 4
 #define PV_VECS 2
 #endif
-typedef float vn __attribute__((vector_size(VN * 4)));
-
-static ALWAYS_INLINE vn loadn(const float *p) {
-    vn v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static ALWAYS_INLINE void storen(float *p, vn v) { memcpy(p, &v, sizeof v); }
 
 /* One work item's state, in float arrays moved a vector at a time. */
 typedef struct {

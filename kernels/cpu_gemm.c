@@ -40,10 +40,12 @@
 #define PK_GEMM_AHEAD 1 /* prefetch the next K chunk (below); 0 builds the A/B's control */
 #endif
 
-/* Register tile per ISA: MR rows x NV vectors of 16 columns. NV x 16 < 64 walks the panel's
- * 64 columns in NR / (16 NV) groups. Chosen so accumulators + W vectors + broadcasts fit in
- * the register file (32 zmm / 16 ymm / 32 q / 16 xmm). */
-#if defined(__AVX512F__)
+/* Register tile per ISA: MR rows x a column group of 16 NV columns, held as NVN vectors of the
+ * target's width (vn: 16 NV / VN of them). 16 NV < 64 walks the panel's 64 columns in
+ * NR / (16 NV) groups. Chosen so accumulators + W vectors + broadcasts fit in the register
+ * file (32 zmm / 16 ymm / 32 q / 16 xmm). `-D "MR=.. NV=.. MR_PAIRS=.."` overrides all three. */
+#if defined(MR)
+#elif defined(__AVX512F__)
 #define MR 6
 #define NV 4
 #define MR_PAIRS 4 /* bf16 without vdpbf16ps: two widened W vectors per 16 columns */
@@ -52,14 +54,22 @@
 #define NV 1
 #define MR_PAIRS 4
 #elif defined(__AVX2__)
-#define MR 4
+#define MR 6 /* 12 accumulators + 2 W vectors + a broadcast: 15 of 16 ymm */
 #define NV 1
-#define MR_PAIRS 2
+#define MR_PAIRS 4
 #else
 #define MR 2
 #define NV 1
 #define MR_PAIRS 1
 #endif
+#define NVN (NV * 16 / VN)
+/* A GEMM of one row (decode at batch 1) has one accumulator per vector of its tile, each FMA
+ * waiting on the last (4 cycles): its tile spans ROW1_SPAN column groups for more chains. Each
+ * column's sum is the same, in the same order, as in a tile of more rows. */
+#ifndef ROW1_SPAN
+#define ROW1_SPAN (NVN >= 4 ? 1 : 4 / NVN)
+#endif
+#define NV_MAX (NVN * ROW1_SPAN)
 
 /* -- the next K chunk, prefetched ------------------------------------------------------------------
  * A batch reads each K chunk of a panel (64-128 KiB) once from memory, for its first row tile, and
@@ -84,88 +94,88 @@ static ALWAYS_INLINE void ahead_step(Ahead *ah) {
  * group `col` (b points at the panel's first K row of this chunk). mr <= MR rows, ncols <= 16 NV
  * valid columns to store (the last panel may be padding past N). `start`: the first K chunk
  * (accumulators start at 0), else they start from c. */
-static ALWAYS_INLINE void tile_load(v16 acc[][NV], const float *c, int64_t ldc, int mr, int ncols,
-                                    int start) {
+static ALWAYS_INLINE void tile_load(vn acc[][NV_MAX], const float *c, int64_t ldc, int mr, int nv,
+                                    int ncols, int start) {
     for (int m = 0; m < mr; ++m)
-        for (int v = 0; v < NV; ++v) {
+        for (int v = 0; v < nv; ++v) {
             if (start) {
-                acc[m][v] = (v16){0};
-            } else if (ncols >= 16 * (v + 1)) {
-                acc[m][v] = load16(c + m * ldc + 16 * v);
+                acc[m][v] = (vn){0};
+            } else if (ncols >= VN * (v + 1)) {
+                acc[m][v] = loadn(c + m * ldc + VN * v);
             } else {
-                float tmp[16] = {0};
-                for (int j = 16 * v; j < ncols; ++j) tmp[j - 16 * v] = c[m * ldc + j];
-                acc[m][v] = load16(tmp);
+                float tmp[VN] = {0};
+                for (int j = VN * v; j < ncols; ++j) tmp[j - VN * v] = c[m * ldc + j];
+                acc[m][v] = loadn(tmp);
             }
         }
 }
 
-static ALWAYS_INLINE void tile_store(v16 acc[][NV], float *c, int64_t ldc, int mr, int ncols) {
+static ALWAYS_INLINE void tile_store(vn acc[][NV_MAX], float *c, int64_t ldc, int mr, int nv, int ncols) {
     for (int m = 0; m < mr; ++m)
-        for (int v = 0; v < NV; ++v) {
-            if (ncols >= 16 * (v + 1)) {
-                store16(c + m * ldc + 16 * v, acc[m][v]);
+        for (int v = 0; v < nv; ++v) {
+            if (ncols >= VN * (v + 1)) {
+                storen(c + m * ldc + VN * v, acc[m][v]);
             } else {
-                float tmp[16];
-                store16(tmp, acc[m][v]);
-                for (int j = 16 * v; j < ncols; ++j) c[m * ldc + j] = tmp[j - 16 * v];
+                float tmp[VN];
+                storen(tmp, acc[m][v]);
+                for (int j = VN * v; j < ncols; ++j) c[m * ldc + j] = tmp[j - VN * v];
             }
         }
 }
 
-static ALWAYS_INLINE void tile_f32(int mr, float *c, int64_t ldc, const float *a, int64_t lda,
+static ALWAYS_INLINE void tile_f32(int mr, int nv, float *c, int64_t ldc, const float *a, int64_t lda,
                                    const float *b, int64_t kc, int ncols, int start, Ahead *ah) {
-    v16 acc[MR][NV];
-    tile_load(acc, c, ldc, mr, ncols, start);
+    vn acc[MR][NV_MAX];
+    tile_load(acc, c, ldc, mr, nv, ncols, start);
     for (int64_t k = 0; k < kc; ++k) {
         ahead_step(ah);
-        v16 w[NV];
-        UNROLL for (int v = 0; v < NV; ++v) w[v] = load16(b + k * NR + 16 * v);
+        vn w[NV_MAX];
+        UNROLL for (int v = 0; v < nv; ++v) w[v] = loadn(b + k * NR + VN * v);
         UNROLL for (int m = 0; m < mr; ++m) {
-            v16 x = splat16(a[m * lda + k]);
-            UNROLL for (int v = 0; v < NV; ++v) acc[m][v] += x * w[v];
+            vn x = splatn(a[m * lda + k]);
+            UNROLL for (int v = 0; v < nv; ++v) acc[m][v] += x * w[v];
         }
     }
-    tile_store(acc, c, ldc, mr, ncols);
+    tile_store(acc, c, ldc, mr, nv, ncols);
 }
 
-static ALWAYS_INLINE void tile_f16(int mr, float *c, int64_t ldc, const float *a, int64_t lda,
+static ALWAYS_INLINE void tile_f16(int mr, int nv, float *c, int64_t ldc, const float *a, int64_t lda,
                                    const uint16_t *b, int64_t kc, int ncols, int start, Ahead *ah) {
-    v16 acc[MR][NV];
-    tile_load(acc, c, ldc, mr, ncols, start);
+    vn acc[MR][NV_MAX];
+    tile_load(acc, c, ldc, mr, nv, ncols, start);
     for (int64_t k = 0; k < kc; ++k) {
         ahead_step(ah);
-        v16 w[NV];
-        UNROLL for (int v = 0; v < NV; ++v) w[v] = load16_f16(b + k * NR + 16 * v);
+        vn w[NV_MAX];
+        UNROLL for (int v = 0; v < nv; ++v) w[v] = loadn_f16(b + k * NR + VN * v);
         UNROLL for (int m = 0; m < mr; ++m) {
-            v16 x = splat16(a[m * lda + k]);
-            UNROLL for (int v = 0; v < NV; ++v) acc[m][v] += x * w[v];
+            vn x = splatn(a[m * lda + k]);
+            UNROLL for (int v = 0; v < nv; ++v) acc[m][v] += x * w[v];
         }
     }
-    tile_store(acc, c, ldc, mr, ncols);
+    tile_store(acc, c, ldc, mr, nv, ncols);
 }
 
-/* bf16 pairs widened: a 64-byte load holds 16 columns' (k, k+1) pairs; the low half of each
- * 32-bit lane is W[k], the high half W[k+1]. kc counts k rows (even). */
-static ALWAYS_INLINE void tile_bf16_wide(int mr, float *c, int64_t ldc, const float *a, int64_t lda,
+/* bf16 pairs widened: each 32-bit lane of the panel holds a column's (k, k+1) pair, W[k] in
+ * its low half and W[k+1] in its high half; VN lanes = VN columns. kc counts k rows (even). */
+static ALWAYS_INLINE void tile_bf16_wide(int mr, int nv, float *c, int64_t ldc, const float *a, int64_t lda,
                                          const uint16_t *b, int64_t kc, int ncols, int start, Ahead *ah) {
-    v16 acc[MR][NV];
-    tile_load(acc, c, ldc, mr, ncols, start);
+    vn acc[MR][NV_MAX];
+    tile_load(acc, c, ldc, mr, nv, ncols, start);
     for (int64_t k = 0; k < kc; k += 2) {
         ahead_step(ah);
-        v16 lo[NV], hi[NV];
-        UNROLL for (int v = 0; v < NV; ++v) {
-            v16w pair;
-            memcpy(&pair, b + k * NR + 32 * v, sizeof pair);
-            lo[v] = as_float16(pair << 16);
-            hi[v] = as_float16(pair & 0xFFFF0000u);
+        vn lo[NV_MAX], hi[NV_MAX];
+        UNROLL for (int v = 0; v < nv; ++v) {
+            vnw pair;
+            memcpy(&pair, b + k * NR + 2 * VN * v, sizeof pair);
+            lo[v] = as_floatn(pair << 16);
+            hi[v] = as_floatn(pair & 0xFFFF0000u);
         }
         UNROLL for (int m = 0; m < mr; ++m) {
-            v16 x0 = splat16(a[m * lda + k]), x1 = splat16(a[m * lda + k + 1]);
-            UNROLL for (int v = 0; v < NV; ++v) acc[m][v] += x0 * lo[v] + x1 * hi[v];
+            vn x0 = splatn(a[m * lda + k]), x1 = splatn(a[m * lda + k + 1]);
+            UNROLL for (int v = 0; v < nv; ++v) acc[m][v] += x0 * lo[v] + x1 * hi[v];
         }
     }
-    tile_store(acc, c, ldc, mr, ncols);
+    tile_store(acc, c, ldc, mr, nv, ncols);
 }
 
 #if defined(__AVX512BF16__)
@@ -173,8 +183,8 @@ static ALWAYS_INLINE void tile_bf16_wide(int mr, float *c, int64_t ldc, const fl
  * x[k+1]); vdpbf16ps adds x[k] W[k] + x[k+1] W[k+1] to each of 16 fp32 lanes. */
 static ALWAYS_INLINE void tile_bf16_dot(int mr, float *c, int64_t ldc, const uint16_t *a16, int64_t lda16,
                                         const uint16_t *b, int64_t kc, int ncols, int start, Ahead *ah) {
-    v16 acc[MR][NV];
-    tile_load(acc, c, ldc, mr, ncols, start);
+    vn acc[MR][NV_MAX]; /* NV_MAX = NV = NVN on AVX-512: the layout of sums */
+    tile_load(acc, c, ldc, mr, NV, ncols, start);
     __m512 sums[MR][NV];
     memcpy(sums, acc, sizeof sums);
     for (int64_t k = 0; k < kc; k += 2) {
@@ -189,7 +199,7 @@ static ALWAYS_INLINE void tile_bf16_dot(int mr, float *c, int64_t ldc, const uin
         }
     }
     memcpy(acc, sums, sizeof sums);
-    tile_store(acc, c, ldc, mr, ncols);
+    tile_store(acc, c, ldc, mr, NV, ncols);
 }
 #endif
 
@@ -206,27 +216,29 @@ typedef struct {
     int64_t m, n, kp;   /* rows, valid columns, K rows of the panels (padded) */
 } Gemm;
 
-/* One tile of rows [row, row + mr) x the column group `col` of panel p, K rows [k0, k0 + kc). */
-static ALWAYS_INLINE void run_tile(const Gemm *g, int mr, int64_t row, int64_t p, int col, int64_t k0,
+/* One tile of rows [row, row + mr) x `span` column groups from `col` of panel p, K rows
+ * [k0, k0 + kc). */
+static ALWAYS_INLINE void run_tile(const Gemm *g, int mr, int span, int64_t row, int64_t p, int col, int64_t k0,
                                    int64_t kc, Ahead *ah) {
     const int64_t first_col = p * NR + col * 16 * NV;
-    int ncols = (int)(g->n - first_col < 16 * NV ? g->n - first_col : 16 * NV);
+    int ncols = (int)(g->n - first_col < 16 * NV * span ? g->n - first_col : 16 * NV * span);
     float *c = g->c + row * g->ldc + first_col;
     const int start = k0 == 0;
     const int64_t panel = p * g->kp * NR + col * 16 * NV; /* element offset of (k = 0, col group) */
     if (g->dtype == DT_F32) {
-        tile_f32(mr, c, g->ldc, g->a + row * g->lda + k0, g->lda, (const float *)g->w + panel + k0 * NR, kc,
+        tile_f32(mr, NVN * span, c, g->ldc, g->a + row * g->lda + k0, g->lda, (const float *)g->w + panel + k0 * NR, kc,
                  ncols, start, ah);
     } else if (g->dtype == DT_F16) {
-        tile_f16(mr, c, g->ldc, g->a + row * g->lda + k0, g->lda, (const uint16_t *)g->w + panel + k0 * NR,
+        tile_f16(mr, NVN * span, c, g->ldc, g->a + row * g->lda + k0, g->lda, (const uint16_t *)g->w + panel + k0 * NR,
                  kc, ncols, start, ah);
     } else {
         /* bf16 panels interleave k pairs: (k0, col) sits at k0 * NR + 2 * col offset. */
         const uint16_t *b = (const uint16_t *)g->w + p * g->kp * NR + k0 * NR + 2 * col * 16 * NV;
 #if defined(__AVX512BF16__)
+        (void)span; /* 1: NV covers the panel */
         tile_bf16_dot(mr, c, g->ldc, g->a16 + row * g->lda16 + k0, g->lda16, b, kc, ncols, start, ah);
 #else
-        tile_bf16_wide(mr, c, g->ldc, g->a + row * g->lda + k0, g->lda, b, kc, ncols, start, ah);
+        tile_bf16_wide(mr, NVN * span, c, g->ldc, g->a + row * g->lda + k0, g->lda, b, kc, ncols, start, ah);
 #endif
     }
 }
@@ -245,10 +257,14 @@ static int rows_per_tile(int dtype) {
 static void run_rows(const Gemm *g, int64_t row, int64_t rows, int64_t p, int col, int64_t k0, int64_t kc,
                      Ahead *ah) {
     const int mr_max = rows_per_tile(g->dtype);
+    if (ROW1_SPAN > 1 && g->m == 1) { /* the group and the ROW1_SPAN - 1 after it (run_panels) */
+        run_tile(g, 1, ROW1_SPAN, row, p, col, k0, kc, ah);
+        return;
+    }
     for (; rows > 0; row += mr_max, rows -= mr_max) {
         switch (rows < mr_max ? rows : mr_max) {
 #define TILE_CASE(R) \
-    case R: run_tile(g, R, row, p, col, k0, kc, ah); break;
+    case R: run_tile(g, R, 1, row, p, col, k0, kc, ah); break;
             TILE_CASE(1)
 #if MR >= 2
             TILE_CASE(2)
@@ -311,7 +327,7 @@ static int run_panels(const Gemm *g, const float *bias, int64_t k_tiles, int thr
     float *y = g->c;
     const int64_t panels = (n + NR - 1) / NR;
     const int64_t kc_max = g->dtype == DT_F32 ? KC_F32 : KC_16;
-    const int groups = NR / (16 * NV);
+    const int groups = NR / (16 * NV), step = m == 1 ? ROW1_SPAN : 1; /* column groups per tile */
     const int nthreads = panels >= 2 && m * n * kp >= 32768 ? threads : 1;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -326,7 +342,7 @@ static int run_panels(const Gemm *g, const float *bias, int64_t k_tiles, int thr
             for (int64_t k0 = k_tiles; k0 < kp; k0 += kc_max) {
                 const int64_t kc = kp - k0 < kc_max ? kp - k0 : kc_max;
                 Ahead ah = next_chunk(g, p, p_end, k0, kc, kc_max, k_tiles, groups);
-                for (int col = 0; col < groups; ++col)
+                for (int col = 0; col < groups; col += step)
                     if (p * NR + col * 16 * NV < n) run_rows(g, 0, m, p, col, k0, kc, &ah);
             }
         if (bias) {

@@ -192,6 +192,78 @@ static ALWAYS_INLINE void store16_f16(uint16_t *p, v16 f) {
 #endif
 }
 
+/* -- the target's own vector width ------------------------------------------------------------
+ * `vn`: VN floats, one register of the target (AVX-512 16, AVX/AVX2 8, SSE2/NEON 4). Hot loops
+ * that keep vectors in registers across iterations (register tiles, accumulators) use vn, not
+ * v16: GCC (12) has no register for a 64-byte vector below AVX-512, so a v16 accumulator lives
+ * on the stack, moved through general registers each iteration, and a scalar times a v16 is
+ * built by 16 stores. The avx2 build's linears ran 3.5x (1 row) to 11x (64 rows) slower than the
+ * avx512 build's on the same Zen 4 core, which executes both widths at one rate (docs/PERF.md).
+ * On AVX-512 vn is v16's layout and code. */
+#if defined(__AVX512F__)
+#define VN 16
+#elif defined(__AVX__)
+#define VN 8
+#else
+#define VN 4
+#endif
+typedef float vn __attribute__((vector_size(VN * 4)));
+typedef uint32_t vnw __attribute__((vector_size(VN * 4)));
+typedef uint16_t vnh __attribute__((vector_size(VN * 2)));
+
+static ALWAYS_INLINE vn loadn(const float *p) {
+    vn v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static ALWAYS_INLINE void storen(float *p, vn v) { memcpy(p, &v, sizeof v); }
+
+static ALWAYS_INLINE vn as_floatn(vnw w) {
+    vn f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+/* x in every lane: one broadcast (a lane-filling loop compiles to VN inserts). */
+static ALWAYS_INLINE vn splatn(float x) {
+#if VN == 16
+    return (vn){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#elif VN == 8
+    return (vn){x, x, x, x, x, x, x, x};
+#else
+    return (vn){x, x, x, x};
+#endif
+}
+
+/* VN consecutive bf16 / fp16 -> fp32 (exact). */
+static ALWAYS_INLINE vn loadn_bf16(const uint16_t *p) {
+    vnh h;
+    memcpy(&h, p, sizeof h);
+    return as_floatn(__builtin_convertvector(h, vnw) << 16);
+}
+
+static ALWAYS_INLINE vn loadn_f16(const uint16_t *p) {
+#if VN == 16
+    return load16_f16(p);
+#else
+    vn out;
+#if defined(__F16C__) && VN == 8
+    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&out, &v, sizeof out);
+#elif defined(__F16C__) && VN == 4
+    __m128 v = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)p));
+    memcpy(&out, &v, sizeof out);
+#elif defined(__aarch64__) && VN == 4
+    float32x4_t v = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+    memcpy(&out, &v, sizeof out);
+#else
+    for (int i = 0; i < VN; ++i) out[i] = float_from_f16_soft(p[i]);
+#endif
+    return out;
+#endif
+}
+
 /* Element types of the K/V pools and of weights. Values match kernels/cpu_build.py's DTYPES.
  * The 8-bit ones are quantized K/V pools only (cpu_kv_quant.h): codes that need a scale. */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_FP8_E4M3 = 3, DT_FP8_E5M2 = 4, DT_I8 = 5 };

@@ -61,6 +61,20 @@ def test_pk_linear_matches_float64(ops, dtype, rows, shape):
     assert (got.double() - want).abs().max().item() <= 2e-6 * scale
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+def test_a_row_alone_gives_the_bits_it_gives_in_a_batch(ops, dtype):
+    """A one-row GEMM's tile spans more columns (cpu_gemm.c ROW1_SPAN) than a batch's, but each
+    column is the same sum in the same order: decoding alone or beside other requests gives the
+    same tokens. Three rows: below the AMX tiles' minimum, so every variant runs register tiles."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(200, 96, generator=gen).to(dtype)  # a partial last panel
+    x = torch.randn(3, 96, generator=gen)
+    layer = PanelLinear(ops, weight, None, dtype)
+    batch = layer(x)
+    for r in range(3):
+        assert torch.equal(layer(x[r : r + 1]), batch[r : r + 1])
+
+
 def test_pk_linear_with_odd_k_in_bf16(ops):
     """An odd K pads the bf16 panels with a zero column, and the layer pads x to match."""
     weight = torch.randn(96, 33).to(torch.bfloat16)
