@@ -44,10 +44,12 @@ static inline v16 sum16(const v16 a[16]) {
 /* Scores of `nh` (<= GROUP_BATCH) query heads of one kv head (q [nh, dim]) against a chunk of
  * n <= 16 keys (pool offsets rows[], `keys` already at the kv head): each key's K slice is
  * widened to fp32 once and dotted with every head, as 16-lane partial sums reduced for all 16
- * keys at once (sum16). dim % 16 == 0, dim <= MAX_VEC_DIM. out[h][j], scaled. */
+ * keys at once (sum16; builds without AVX-512 sum each vn dot on its own). dim % 16 == 0,
+ * dim <= MAX_VEC_DIM. out[h][j], scaled. */
 static ALWAYS_INLINE void group_scores(float out[][KEY_CHUNK], const float *RESTRICT q, const void *RESTRICT keys,
                                        const int64_t *RESTRICT rows, int64_t n, int64_t dim, int64_t nh,
                                        float scale, const float *RESTRICT key_scales, int dtype) {
+#if VN == 16
     v16 partial[GROUP_BATCH][KEY_CHUNK];
     for (int64_t j = 0; j < KEY_CHUNK; ++j) {
         if (j >= n) {
@@ -67,12 +69,31 @@ static ALWAYS_INLINE void group_scores(float out[][KEY_CHUNK], const float *REST
         if (kv_is_quantized(dtype)) sums *= load16(key_scales); /* per key: its scale */
         memcpy(out[h], &sums, sizeof sums);
     }
+#else /* narrower vectors (vn): K widened once into kw, four keys' dots side by side per head */
+    float kw[KEY_CHUNK][MAX_VEC_DIM] __attribute__((aligned(64)));
+    for (int64_t j = 0; j < KEY_CHUNK; ++j)
+        for (int64_t d = 0; d < dim; d += 16) store16(&kw[j][d], j < n ? load16_kv(keys, rows[j] + d, dtype) : (v16){0});
+    for (int64_t h = 0; h < nh; ++h)
+        for (int64_t j0 = 0; j0 < KEY_CHUNK; j0 += 4) {
+            vn a[4] = {{0}};
+            for (int64_t d = 0; d < dim; d += VN) {
+                const vn qv = loadn(q + h * dim + d);
+                for (int i = 0; i < 4; ++i) a[i] += qv * loadn(&kw[j0 + i][d]);
+            }
+            for (int i = 0; i < 4; ++i) {
+                float lanes[VN], sum = 0.f;
+                storen(lanes, a[i]);
+                for (int l = 0; l < VN; ++l) sum += lanes[l];
+                out[h][j0 + i] = sum * scale * (kv_is_quantized(dtype) ? key_scales[j0 + i] : 1.f);
+            }
+        }
+#endif
 }
 
 /* acc[h] = acc[h] * rescale[h] + sum_j p_hj V_j for the `nh` heads of one kv head, p_hj at
  * p[h * head_stride + j * key_stride] ([head][key] here, [key][head] in the AMX decode kernel),
  * V rows widened once per chunk (16-bit pools) into `widened`; each head's accumulator is held
- * in registers across the chunk, 64 columns at a time. dim % 16 == 0. */
+ * in registers across the chunk, 64 columns at a time (vn: cpu_simd.h). dim % 16 == 0. */
 static ALWAYS_INLINE void group_accumulate(float *RESTRICT acc, const float *RESTRICT p, int64_t head_stride,
                                            int64_t key_stride, const float *RESTRICT rescale,
                                            const void *RESTRICT values, const int64_t *RESTRICT rows, int64_t n,
@@ -97,15 +118,15 @@ static ALWAYS_INLINE void group_accumulate(float *RESTRICT acc, const float *RES
     for (int64_t h = 0; h < nh; ++h) {
         float *ah = acc + h * dim;
         for (int64_t db = 0; db < dim; db += 64) {
-            const int64_t width = dim - db < 64 ? (dim - db) / 16 : 4;
-            v16 a[4];
-            for (int64_t w = 0; w < width; ++w) a[w] = load16(ah + db + 16 * w) * rescale[h];
+            const int64_t width = dim - db < 64 ? (dim - db) / VN : 64 / VN;
+            vn a[64 / VN];
+            for (int64_t w = 0; w < width; ++w) a[w] = loadn(ah + db + VN * w) * rescale[h];
             for (int64_t j = 0; j < n; ++j) { /* widened rows by their address: no pointer load per key */
                 const float *vj = dtype == DT_F32 ? v_rows[j] : widened + j * dim;
                 const float pj = p[h * head_stride + j * key_stride];
-                for (int64_t w = 0; w < width; ++w) a[w] += pj * load16(vj + db + 16 * w);
+                for (int64_t w = 0; w < width; ++w) a[w] += pj * loadn(vj + db + VN * w);
             }
-            for (int64_t w = 0; w < width; ++w) store16(ah + db + 16 * w, a[w]);
+            for (int64_t w = 0; w < width; ++w) storen(ah + db + VN * w, a[w]);
         }
     }
 }

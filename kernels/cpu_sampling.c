@@ -51,14 +51,12 @@ static inline void topk_insert(float *vals, int64_t *ids, int k, float v, int64_
 static void row_topk(const float *x, int64_t n, int k, float *vals, int64_t *ids) {
     for (int j = 0; j < k; ++j) vals[j] = -INFINITY, ids[j] = j < n ? j : 0;
     int64_t t = 0;
-    for (; t + 16 <= n; t += 16) {
-        const v16 v = load16(x + t);
-        const v16 floor = splat16(vals[k - 1]);
-        const v16i above = v > floor;
+    for (; t + VN <= n; t += VN) {
+        const vni above = loadn(x + t) > splatn(vals[k - 1]);
         int any = 0;
-        for (int i = 0; i < 16; ++i) any |= above[i];
+        for (int i = 0; i < VN; ++i) any |= above[i];
         if (!any) continue;
-        for (int i = 0; i < 16; ++i) topk_insert(vals, ids, k, x[t + i], t + i);
+        for (int i = 0; i < VN; ++i) topk_insert(vals, ids, k, x[t + i], t + i);
     }
     for (; t < n; ++t) topk_insert(vals, ids, k, x[t], t);
 }
@@ -84,29 +82,29 @@ int row_lse_topk(const float *x, int64_t rows, int64_t n, int64_t ld, int k, flo
 
 /* The index of the row's largest value, as torch.argmax gives it: the first of equal maxima,
  * the first NaN if there is one. Two reads of the row (from cache): its max, then the first
- * 16-wide block holding it. */
+ * VN-wide block holding it. */
 static int64_t row_argmax1(const float *x, int64_t n) {
-    v16 lanes = splat16(-INFINITY);
-    v16i nan_lanes = {0};
+    vn lanes = splatn(-INFINITY); /* the target's width (vn): a v16 carried across iterations */
+    vni nan_lanes = {0};          /* lives on the stack below AVX-512 */
     int64_t t = 0;
-    for (; t + 16 <= n; t += 16) { /* vector max (a bit select) and a NaN mask, no branches */
-        const v16 v = load16(x + t);
-        lanes = select16(v > lanes, v, lanes);
+    for (; t + VN <= n; t += VN) { /* vector max (a bit select) and a NaN mask, no branches */
+        const vn v = loadn(x + t);
+        lanes = selectn(v > lanes, v, lanes);
         nan_lanes |= v != v;
     }
     float best = -INFINITY;
     int any_nan = 0;
-    for (int i = 0; i < 16; ++i) best = lanes[i] > best ? lanes[i] : best, any_nan |= nan_lanes[i];
+    for (int i = 0; i < VN; ++i) best = lanes[i] > best ? lanes[i] : best, any_nan |= nan_lanes[i];
     for (int64_t u = t; u < n; ++u) best = x[u] > best ? x[u] : best, any_nan |= x[u] != x[u];
     if (any_nan) {
         for (int64_t u = 0; u < n; ++u)
             if (x[u] != x[u]) return u;
     }
-    const v16 target = splat16(best);
-    for (t = 0; t + 16 <= n; t += 16) {
-        const v16i hit = load16(x + t) == target;
+    const vn target = splatn(best);
+    for (t = 0; t + VN <= n; t += VN) {
+        const vni hit = loadn(x + t) == target;
         int any = 0;
-        for (int i = 0; i < 16; ++i) any |= hit[i];
+        for (int i = 0; i < VN; ++i) any |= hit[i];
         if (any) break;
     }
     for (; t < n; ++t)

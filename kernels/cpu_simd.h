@@ -210,6 +210,7 @@ static ALWAYS_INLINE void store16_f16(uint16_t *p, v16 f) {
 typedef float vn __attribute__((vector_size(VN * 4)));
 typedef uint32_t vnw __attribute__((vector_size(VN * 4)));
 typedef uint16_t vnh __attribute__((vector_size(VN * 2)));
+typedef int32_t vni __attribute__((vector_size(VN * 4)));
 
 static ALWAYS_INLINE vn loadn(const float *p) {
     vn v;
@@ -234,6 +235,14 @@ static ALWAYS_INLINE vn splatn(float x) {
 #else
     return (vn){x, x, x, x};
 #endif
+}
+
+/* Lane select: m's lanes all-ones (from a vector comparison) take a, zero lanes b. */
+static ALWAYS_INLINE vn selectn(vni m, vn a, vn b) {
+    vnw wa, wb;
+    memcpy(&wa, &a, sizeof wa);
+    memcpy(&wb, &b, sizeof wb);
+    return as_floatn((wa & (vnw)m) | (wb & ~(vnw)m));
 }
 
 /* VN consecutive bf16 / fp16 -> fp32 (exact). */
