@@ -108,6 +108,47 @@ static ALWAYS_INLINE void unpack_pair(const uint8_t *p, int bits, v16i w[4]) {
     }
 }
 
+#if VN == 8 && defined(__AVX2__)
+/* The integer sums of qtile_block on AVX2 registers (cpu_simd.h: a v16i accumulator would live on
+ * the stack). Half a panel (32 columns, 4 ymm of (k, k+1) pairs) per pass over the block's codes,
+ * so mr rows' 4 accumulators each, the pair's weights and the broadcast x fit the 16 ymm; the
+ * second pass reads the block's codes (2-4 KiB) from L1. The same integer sums as dot_pairs. */
+static ALWAYS_INLINE void qsums_avx2(const uint8_t *codes, const int16_t *xq, int64_t kp, int bits, int mr,
+                                     int64_t pair_bytes, int64_t half_block, v16i isum[QMR][4]) {
+    const __m256i nibbles = _mm256_set1_epi32(0x000F000F);
+    for (int half = 0; half < 2; ++half) { /* columns 32 half ..: isum vectors 2 half, 2 half + 1 */
+        __m256i acc[QMR][4];
+        UNROLL for (int m = 0; m < mr; ++m) UNROLL for (int i = 0; i < 4; ++i) acc[m][i] = _mm256_setzero_si256();
+        const uint8_t *c = codes;
+        for (int64_t kk = 0; kk < half_block; ++kk, c += pair_bytes) {
+            if (half == 0)
+                for (int64_t line = 0; line < pair_bytes; line += 64) __builtin_prefetch(c + PQ_PREFETCH_BYTES + line, 0, 3);
+            __m256i w[4]; /* vector 2 half: w[0] lanes 0-7, w[1] lanes 8-15; vector 2 half + 1: w[2], w[3] */
+            if (bits == 4) {
+                const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + 32 * half)));
+                const __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + 32 * half + 16)));
+                w[0] = _mm256_and_si256(lo, nibbles), w[1] = _mm256_and_si256(hi, nibbles);
+                w[2] = _mm256_and_si256(_mm256_srli_epi32(lo, 4), nibbles);
+                w[3] = _mm256_and_si256(_mm256_srli_epi32(hi, 4), nibbles);
+            } else {
+                UNROLL for (int i = 0; i < 4; ++i)
+                    w[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + 64 * half + 16 * i)));
+            }
+            UNROLL for (int m = 0; m < mr; ++m) {
+                int32_t pair;
+                memcpy(&pair, xq + m * kp + 2 * kk, 4);
+                const __m256i x = _mm256_set1_epi32(pair);
+                UNROLL for (int i = 0; i < 4; ++i) acc[m][i] = _mm256_add_epi32(acc[m][i], _mm256_madd_epi16(w[i], x));
+            }
+        }
+        for (int m = 0; m < mr; ++m) {
+            memcpy(&isum[m][2 * half], &acc[m][0], 64);
+            memcpy(&isum[m][2 * half + 1], &acc[m][2], 64);
+        }
+    }
+}
+#endif
+
 typedef struct {
     int bits, scale_dtype;
     const uint8_t *codes;
@@ -127,6 +168,9 @@ static ALWAYS_INLINE void qtile_block(const QGemm *g, int mr, int64_t row, int64
     const uint8_t *codes = g->codes + (p * (g->kp / 2) + kk0) * pair_bytes;
     const int16_t *xq = g->xq + row * g->kp + 2 * kk0;
     v16i isum[QMR][4];
+#if VN == 8 && defined(__AVX2__)
+    qsums_avx2(codes, xq, g->kp, g->bits, mr, pair_bytes, half_block, isum);
+#else
     UNROLL for (int m = 0; m < mr; ++m) UNROLL for (int v = 0; v < 4; ++v) isum[m][v] = (v16i){0};
     for (int64_t kk = 0; kk < half_block; ++kk, codes += pair_bytes) {
         v16i w[4];
@@ -139,6 +183,7 @@ static ALWAYS_INLINE void qtile_block(const QGemm *g, int mr, int64_t row, int64
             UNROLL for (int v = 0; v < 4; ++v) isum[m][v] = dot_pairs(isum[m][v], w[v], x);
         }
     }
+#endif
     /* the block's integer sums into fp32 y: xs * s * (sum q xq - z * sum xq) */
     const int64_t b = 2 * kk0 / g->block, sz = (p * g->groups + 2 * kk0 / g->group) * QNR;
     const int64_t first_col = p * QNR;
