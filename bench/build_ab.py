@@ -55,6 +55,8 @@ def _kernel_sources(rev: str, out_dir: Path) -> Path:
     """kernels/ as of the git revision `rev`, extracted under out_dir."""
     root = Path(__file__).resolve().parents[1]
     dest = out_dir / f"src-{rev.replace('/', '_')}"
+    if dest.exists():  # a second build of the same revision
+        return dest / "kernels"
     dest.mkdir()
     git = ["git", "-C", str(root), "archive", rev, "kernels"]
     archive = subprocess.run(git, capture_output=True, check=True)

@@ -29,6 +29,17 @@ typedef struct {
     float *max_score, *denom, *rescale;
 } SoftmaxState;
 
+/* A chunk's K or V rows (pool offsets offs[], dim % 16 == 0) as fp32 rows of `dst` (quantized
+ * pools: the codes, their scales applied by the caller), rows [n, rows) zero so that products
+ * can run over whole key groups: what the prefill tiles and the narrow-vector decode scores
+ * multiply. MAX_VEC_DIM == TILE_MAX_DIM. */
+static ALWAYS_INLINE void widen_chunk(float (*dst)[MAX_VEC_DIM], const void *RESTRICT cache, const int64_t *offs,
+                                      int64_t n, int64_t rows, int64_t dim, int dtype) {
+    for (int64_t j = 0; j < rows; ++j)
+        for (int64_t d = 0; d < dim; d += 16)
+            store16(&dst[j][d], j < n ? load16_kv(cache, offs[j] + d, dtype) : (v16){0});
+}
+
 /* The library's paged attention (cpu_attention.c; the decoder stack calls it per layer).
  * query/out [T, H, D]; caches [blocks, block_size, KV, D]; block_tables int32 [S, width];
  * seq_lens int32 [S] (context incl. this step's tokens); query_start_loc int32 [S + 1].

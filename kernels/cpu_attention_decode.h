@@ -71,8 +71,7 @@ static ALWAYS_INLINE void group_scores(float out[][KEY_CHUNK], const float *REST
     }
 #else /* narrower vectors (vn): K widened once into kw, four keys' dots side by side per head */
     float kw[KEY_CHUNK][MAX_VEC_DIM] __attribute__((aligned(64)));
-    for (int64_t j = 0; j < KEY_CHUNK; ++j)
-        for (int64_t d = 0; d < dim; d += 16) store16(&kw[j][d], j < n ? load16_kv(keys, rows[j] + d, dtype) : (v16){0});
+    widen_chunk(kw, keys, rows, n, KEY_CHUNK, dim, dtype);
     for (int64_t h = 0; h < nh; ++h)
         for (int64_t j0 = 0; j0 < KEY_CHUNK; j0 += 4) {
             vn a[4] = {{0}};

@@ -33,15 +33,6 @@ typedef struct {
     float vf[KEY_CHUNK][TILE_MAX_DIM];
 } __attribute__((aligned(64))) TileBuffers;
 
-/* A chunk's K or V rows as fp32 (quantized pools: the codes, their scales applied by the caller),
- * rows [n, rows) zero: the products below run over whole key groups. */
-static ALWAYS_INLINE void widen_chunk(float (*dst)[TILE_MAX_DIM], const void *RESTRICT cache, const int64_t *offs,
-                                      int64_t n, int64_t rows, int64_t dim, int dtype) {
-    for (int64_t j = 0; j < rows; ++j)
-        for (int64_t d = 0; d < dim; d += TILE_ROWS)
-            store16(&dst[j][d], j < n ? load16_kv(cache, offs[j] + d, dtype) : (v16){0});
-}
-
 /* The 16 rows' scores against the chunk's keys [0, n) rounded up to SCORE_KEYS, into b->s:
  * each key's sum over d in order, as one chain would add it. */
 static ALWAYS_INLINE void tile_scores(TileBuffers *RESTRICT b, int64_t n, int64_t dim) {
