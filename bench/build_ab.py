@@ -6,6 +6,8 @@ minutes apart whose background load differs.
 - linears: the Qwen2.5-0.5B's bf16 (or --dtype) linears in model order, 24 layers and the LM
   head, each its own weight, so every pass reads them from memory as a forward does; ms per
   pass, best of 2 per round, every round listed.
+  --gguf MIX: the same linears as random ggml blocks of MIX (Q4_0, Q8_0, Q4_K_M: bench.gguf_linears),
+  the GGUF kernels (kernels/cpu_gguf.c). Each row count lists the builds' max |diff| of y.
 - decode: the fast CPU forward of the random 0.5B-shaped model, one worker per build, decode
   steps of `batch` sequences with 128-token prompts (--context) (bench.common.decode_steps_lockstep):
   median ms per step, two sets.
@@ -83,29 +85,51 @@ def build_all(defines: list[str], variant_name: str | None, out_dir: Path) -> di
         flags = tuple(f"-D{d}" for d in words if not d.startswith("@"))
         out = out_dir / f"build{i}-{variant.name}.so"
         built = dataclasses.replace(variant, flags=(*variant.flags, *flags))
-        cpu_build.compile_variant(built, out, cc, sources)
+        names = tuple(n for n in cpu_build.SOURCES if (sources / n).exists())  # an old revision's units
+        cpu_build.compile_variant(built, out, cc, sources, names)
         ops[define] = cpu_build.CpuOps(out, variant.name, f"build_ab {define}")
     return ops
 
 
-def linears(ops: dict, dtype: torch.dtype, rows_list: list[int], rounds: int = 3) -> dict:
+def _model_linears(ops: dict, dtype: torch.dtype, gguf: str | None) -> tuple[list, dict]:
+    """(shapes [(n, k)...], {build: [linear...]}): the 0.5B's linears in model order, as bf16 /
+    fp16 / fp32 panels or (gguf) as random ggml blocks of that mix (bench.gguf_linears)."""
+    if gguf:
+        from bench.gguf_linears import linears as gguf_linears
+        from bench.gguf_linears import shape_model
+
+        model = shape_model(gguf)
+        layers = {key: gguf_linears(o, model) for key, o in ops.items()}
+        first = next(iter(layers.values()))
+        return [(lin.out_features, lin.in_features) for lin in first], layers
     weights = [torch.randn(n, k).to(dtype) for n, k in QWEN05_LINEARS]
-    layers = {key: [PanelLinear(o, w, None, dtype) for w in weights] for key, o in ops.items()}
-    del weights
+    return QWEN05_LINEARS, {key: [PanelLinear(o, w, None, dtype) for w in weights] for key, o in ops.items()}
+
+
+def linears(
+    ops: dict, dtype: torch.dtype, rows_list: list[int], rounds: int = 3, gguf: str | None = None
+) -> dict:
+    if not rows_list:
+        return {}
+    shapes, layers = _model_linears(ops, dtype, gguf)
     res = {}
     for rows in rows_list:
-        xs = {k: torch.randn(rows, k) for _, k in QWEN05_LINEARS}
-        outs = [torch.empty(rows, n) for n, _ in QWEN05_LINEARS]
+        xs = {k: torch.randn(rows, k) for _, k in shapes}
+        outs = {key: [torch.empty(rows, n) for n, _ in shapes] for key in ops}
         times: dict[str, list[float]] = {key: [] for key in ops}
         for _ in range(rounds):
             for key, lins in layers.items():
 
-                def one_pass(lins=lins, xs=xs, outs=outs) -> None:
-                    for (_, k), lin, out in zip(QWEN05_LINEARS, lins, outs, strict=True):
+                def one_pass(lins=lins, xs=xs, outs=outs[key]) -> None:
+                    for (_, k), lin, out in zip(shapes, lins, outs, strict=True):
                         lin(xs[k], out=out)
 
                 times[key].append(round(best_seconds(one_pass, 2) * 1e3, 2))
         res[f"rows_{rows}"] = _with_ratio(times, min)
+        first = outs[next(iter(ops))]
+        for key in list(ops)[1:]:  # the same inputs: a rewrite that keeps the sums shows 0.0
+            diff = max(float((a - b).abs().max()) for a, b in zip(outs[key], first, strict=True))
+            res[f"rows_{rows}"][key]["max_abs_diff"] = diff
     return res
 
 
@@ -206,6 +230,8 @@ def main() -> None:
     ap.add_argument("-D", dest="defines", action="append", required=True, help="a build's macros (2+ builds)")
     ap.add_argument("--variant", help="kernel variant to build (default: the best this CPU runs)")
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    mixes = ("Q4_0", "Q4_1", "Q8_0", "Q4_K_M")
+    ap.add_argument("--gguf", choices=mixes, help="linears: ggml blocks of this mix")
     ap.add_argument("--rows", type=_ints, default=[1, 16, 64, 256], help="linears: row counts ('' for none)")
     ap.add_argument("--decode", type=_ints, default=[1, 16, 64], help="decode batch sizes ('' for none)")
     ap.add_argument("--context", type=int, default=128, help="decode / attention: keys a sequence attends to")
@@ -224,7 +250,7 @@ def main() -> None:
             "variant": next(iter(ops.values())).variant,
             "threads": torch.get_num_threads(),
             "loadavg_before": open("/proc/loadavg").read().split()[:3],
-            "linears": linears(ops, getattr(torch, args.dtype), args.rows) if args.rows else {},
+            "linears": linears(ops, getattr(torch, args.dtype), args.rows, gguf=args.gguf),
             "forward": forward_steps(ops, args.dtype, args.decode, args.prefill, args.context),
             "attention": attention(ops, cases, args.attention_layers),
             "loadavg_after": open("/proc/loadavg").read().split()[:3],

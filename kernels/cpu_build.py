@@ -54,6 +54,7 @@ SOURCES = (
     "cpu_quant_amx.c",
     "cpu_gguf.c",
     "cpu_gguf_amx.c",
+    "cpu_gguf_panels.c",
     "cpu_sampling.c",
     "cpu_decoder.c",
     "cpu_attention.c",
@@ -62,6 +63,7 @@ SOURCES = (
 )
 HEADERS = (
     "cpu_amx.h",
+    "cpu_gemm.h",
     "cpu_gemm_amx.h",
     "cpu_simd.h",
     "cpu_kv_quant.h",
@@ -226,6 +228,8 @@ class CpuOps:
 def source_digest(directory: Path = HERE) -> str:
     digest = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
+        if not (directory / name).exists():  # an older revision (bench.build_ab); the build fails first
+            continue
         digest.update(name.encode() + b"\0" + (directory / name).read_bytes() + b"\0")
     return digest.hexdigest()
 
@@ -298,9 +302,12 @@ def _build_library(command: list[str], sources: list[Path], out: str) -> tuple[b
         return linked.returncode != 0, output + linked.stdout + linked.stderr
 
 
-def compile_variant(variant: Variant, out: Path, cc: list[str], sources_dir: Path = HERE) -> Path:
+def compile_variant(
+    variant: Variant, out: Path, cc: list[str], sources_dir: Path = HERE, names: tuple[str, ...] = SOURCES
+) -> Path:
     """Builds `out` (a .so) and its key file next to it, atomically (temp files renamed into
-    place, key last: a library without a matching key is never loaded)."""
+    place, key last: a library without a matching key is never loaded). `names`: the translation
+    units (an older revision's kernels, bench.build_ab, may have fewer)."""
     identity = compiler_identity(cc)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -309,7 +316,7 @@ def compile_variant(variant: Variant, out: Path, cc: list[str], sources_dir: Pat
     except OSError as exc:
         raise CpuKernelBuildError(f"cannot write CPU kernels to {out.parent}: {exc}") from None
     try:
-        sources = [sources_dir / name for name in SOURCES]
+        sources = [sources_dir / name for name in names]
         options = BASE_OPTIONS
         failed, output = _build_library([*cc, *options, *variant.flags], sources, tmp)
         if failed and "omp" in output.lower():

@@ -16,12 +16,11 @@
 #include <string.h>
 
 #include "cpu_attention.h"
+#include "cpu_gemm.h"
 #include "cpu_gguf.h"
 #include "cpu_lora.h"
 #include "cpu_simd.h"
 
-int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, const void *w, const float *bias,
-              int64_t m, int64_t n, int64_t k, int64_t kp, int threads);
 int pq_linear(int bits, float *y, int64_t ldc, const float *x, int64_t lda, const uint8_t *codes,
               const void *scales, int scale_dtype, const uint8_t *zeros, const float *bias, int64_t m, int64_t n,
               int64_t k, int64_t group, int64_t block, int threads);

@@ -24,10 +24,11 @@
 #include <omp.h>
 #endif
 
+#include "cpu_gemm.h"
 #include "cpu_gemm_amx.h"
 #include "cpu_simd.h"
 
-#define NR 64          /* output columns per panel */
+#define NR PK_PANEL_COLS /* output columns per panel */
 #ifndef KC_F32
 #define KC_F32 256     /* K rows per cache block: 256 x 64 x 4 B = 64 KiB of W (L2) */
 #endif
@@ -214,6 +215,7 @@ typedef struct {
     int64_t lda16;
     const void *w;      /* panels */
     int64_t m, n, kp;   /* rows, valid columns, K rows of the panels (padded) */
+    int accumulate;     /* the first K chunk adds to c too (a decoded chunk after the first) */
 } Gemm;
 
 /* One tile of rows [row, row + mr) x `span` column groups from `col` of panel p, K rows
@@ -223,7 +225,7 @@ static ALWAYS_INLINE void run_tile(const Gemm *g, int mr, int span, int64_t row,
     const int64_t first_col = p * NR + col * 16 * NV;
     int ncols = (int)(g->n - first_col < 16 * NV * span ? g->n - first_col : 16 * NV * span);
     float *c = g->c + row * g->ldc + first_col;
-    const int start = k0 == 0;
+    const int start = k0 == 0 && !g->accumulate;
     const int64_t panel = p * g->kp * NR + col * 16 * NV; /* element offset of (k = 0, col group) */
     if (g->dtype == DT_F32) {
         tile_f32(mr, NVN * span, c, g->ldc, g->a + row * g->lda + k0, g->lda, (const float *)g->w + panel + k0 * NR, kc,
@@ -320,6 +322,13 @@ static Ahead next_chunk(const Gemm *g, int64_t p, int64_t p_end, int64_t k0, int
     return (Ahead){next, lines, (int)((lines + steps - 1) / steps)};
 }
 
+/* Inside a parallel region: the threads share the rows. */
+static void add_bias(float *y, int64_t ldc, const float *bias, int64_t m, int64_t n) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < n; ++j) y[r * ldc + j] += bias[j];
+}
+
 /* g's y = x W^T + bias: AMX tiles over K rows [0, k_tiles) (g->a16 rounded for them), the
  * register tiles over the rest (g->a). Threads split the panels. */
 static int run_panels(const Gemm *g, const float *bias, int64_t k_tiles, int threads) {
@@ -347,9 +356,7 @@ static int run_panels(const Gemm *g, const float *bias, int64_t k_tiles, int thr
             }
         if (bias) {
 #pragma omp barrier
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < m; ++r)
-                for (int64_t j = 0; j < n; ++j) y[r * ldc + j] += bias[j];
+            add_bias(y, ldc, bias, m, n);
         }
     }
     return 0;
@@ -360,7 +367,7 @@ static int run_panels(const Gemm *g, const float *bias, int64_t k_tiles, int thr
  * Returns 0, or -1 if a scratch allocation failed. */
 int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, const void *w, const float *bias,
               int64_t m, int64_t n, int64_t k, int64_t kp, int threads) {
-    Gemm g = {dtype, y, ldc, x, lda, NULL, 0, w, m, n, kp};
+    Gemm g = {dtype, y, ldc, x, lda, NULL, 0, w, m, n, kp, 0};
     uint16_t *rounded = NULL;
     /* AMX tiles take the K rows up to the last multiple of 32 (k_tiles); the register tiles below
      * add the rest onto what the tiles stored. */
@@ -378,6 +385,52 @@ int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, con
     const int status = run_panels(&g, bias, k_tiles, threads);
     free(rounded);
     return status;
+}
+
+/* cpu_gemm.h. Threads split the panels; each decodes its panel's K chunks in turn into its own
+ * scratch (KC_16 x 64 bf16: 128 KiB, in L2) and runs every row tile over a chunk before the
+ * next, so a chunk is decoded once per call however many rows read it. */
+int pk_linear_decoded(float *y, int64_t ldc, const float *x, int64_t lda, PkChunkDecoder decode, const void *weight,
+                      const float *bias, int64_t m, int64_t n, int64_t k, int64_t k_step, int threads) {
+    Gemm g = {DT_BF16, y, ldc, x, lda, NULL, 0, NULL, m, n, k, 0};
+    uint16_t *rounded = NULL;
+#if defined(__AVX512BF16__)
+    rounded = round_rows_bf16(x, lda, m, m, k, k, threads);
+    if (!rounded) return -1;
+    g.a16 = rounded, g.lda16 = k;
+#endif
+    const int64_t panels = (n + NR - 1) / NR, kc_max = KC_16 / k_step * k_step < k ? KC_16 / k_step * k_step : k;
+    const int groups = NR / (16 * NV), step = m == 1 ? ROW1_SPAN : 1;
+    const int nthreads = panels < threads ? (int)panels : threads;
+    uint16_t *scratch = aligned_alloc(64, (size_t)(nthreads * kc_max * NR) * sizeof(uint16_t));
+    if (!scratch) {
+        free(rounded);
+        return -1;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        uint16_t *chunk = scratch + omp_get_thread_num() * kc_max * NR;
+#else
+        uint16_t *chunk = scratch;
+#endif
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p)
+            for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+                const int64_t kc = k - k0 < kc_max ? k - k0 : kc_max;
+                decode(weight, chunk, p * NR, k0, kc);
+                Gemm cg = g; /* this chunk as panel 0 of a GEMM over K rows [k0, k0 + kc) */
+                cg.c = y + p * NR, cg.n = n - p * NR, cg.w = chunk, cg.kp = kc, cg.accumulate = k0 > 0;
+                cg.a = x + k0, cg.a16 = rounded ? rounded + k0 : NULL;
+                Ahead none = {NULL, 0, 0};
+                for (int col = 0; col < groups; col += step)
+                    if (p * NR + col * 16 * NV < n) run_rows(&cg, 0, m, 0, col, 0, kc, &none);
+            }
+        if (bias) add_bias(y, ldc, bias, m, n);
+    }
+    free(scratch);
+    free(rounded);
+    return 0;
 }
 
 /* An MLP's y[m, d] = down(silu(gate(x)) * up(x)) (+ down's bias) on AMX tiles, with the SiLU
@@ -405,7 +458,7 @@ int pk_mlp(float *y, const float *x, const void *gate_up, const void *down, cons
 #endif
         amx_bf16_gate_up_silu(act, a16, d, gate_up, m, inner, d, gate_panels * t / nt, gate_panels * (t + 1) / nt);
     }
-    Gemm g = {DT_BF16, y, d, NULL, inner, act, inner, down, m, d, inner};
+    Gemm g = {DT_BF16, y, d, NULL, inner, act, inner, down, m, d, inner, 0};
     const int status = run_panels(&g, bias, inner, threads);
     free(a16);
     return status;

@@ -340,6 +340,7 @@ int gg_linear(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *
         n += parts[p].n;
     }
     if (PK_HAVE_AMX && m >= GG_TILE_MIN_ROWS) return gg_linear_tiles(y, ldc, x, lda, parts, bias, m, n, k, threads);
+    if (m >= GG_PANEL_MIN_ROWS) return gg_linear_panels(y, ldc, x, lda, parts, nparts, bias, m, n, k, threads);
     int8_t *xq = malloc((size_t)(m * k));
     float *xs = malloc((size_t)(m * (k / 32)) * sizeof(float));
     int32_t *sum16 = malloc((size_t)(m * (k / 16)) * sizeof(int32_t));

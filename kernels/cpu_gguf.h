@@ -28,6 +28,17 @@ int gg_linear(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *
  * scratch could not be allocated, -3 in a build without AMX. */
 int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts,
                     const float *bias, int64_t m, int64_t n, int64_t k, int threads);
+/* Rows from which gg_linear decodes the blocks into bf16 panel chunks for the register tiles
+ * (cpu_gguf_panels.c) in builds without AMX: decoding costs about what 4 rows of the integer
+ * path do (2 threads, the 0.5B's Q4_0 linears, avx512bf16: panels / integer 0.91x at 4 rows,
+ * 1.26x at 8, 2.0x at 16, 3.5x at 64; docs/PERF.md). */
+#ifndef GG_PANEL_MIN_ROWS
+#define GG_PANEL_MIN_ROWS 8
+#endif
+/* gg_linear for m rows on the register tiles (the caller checked the types and k % 32): 0, or -1
+ * when scratch could not be allocated. */
+int gg_linear_panels(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, int64_t nparts,
+                     const float *bias, int64_t m, int64_t n, int64_t k, int threads);
 int gg_dequantize_rows(int type, float *out, const uint8_t *data, const int64_t *ids, int64_t count, int64_t k,
                        int threads);
 

@@ -33,98 +33,6 @@
 
 #define PANEL_ROWS 32 /* weight rows per panel: 2 A tiles */
 
-/* Sub-block j (32 weights) of a block: its codes (Q8_0's are signed) and w = a[h] q + c[h] for
- * weights 16 h .. 16 h + 15. Every a q + c is exact in fp32 but its one rounding, as gguf.quants. */
-static ALWAYS_INLINE u8x32 sub_block(int type, const uint8_t *blk, int j, float a[2], float c[2]) {
-    switch (type) {
-    case GG_Q8_0:
-        a[0] = a[1] = f16(blk), c[0] = c[1] = 0.f;
-        return load_u8x32(blk + 2);
-    case GG_Q4_0:
-        a[0] = a[1] = f16(blk), c[0] = c[1] = -8.f * a[0];
-        return nibbles16(blk + 2);
-    case GG_Q4_1:
-        a[0] = a[1] = f16(blk), c[0] = c[1] = f16(blk + 2);
-        return nibbles16(blk + 4);
-    case GG_Q5_0:
-        a[0] = a[1] = f16(blk), c[0] = c[1] = -16.f * a[0];
-        return nibbles16(blk + 6) | high_bits32(blk + 2);
-    case GG_Q5_1:
-        a[0] = a[1] = f16(blk), c[0] = c[1] = f16(blk + 2);
-        return nibbles16(blk + 8) | high_bits32(blk + 4);
-    case GG_Q4_K:
-    case GG_Q5_K: {
-        const int q5 = type == GG_Q5_K;
-        int sc, mn;
-        scale_min_k4(blk + 4, j, &sc, &mn);
-        a[0] = a[1] = f16(blk) * (float)sc, c[0] = c[1] = -(f16(blk + 2) * (float)mn);
-        u8x32 q = shr_bytes(load_u8x32(blk + (q5 ? 48 : 16) + 32 * (j / 2)), 4 * (j % 2)) & 0xF;
-        if (q5) q |= shl_bytes(shr_bytes(load_u8x32(blk + 16), j) & 1, 4);
-        return q;
-    }
-    default: { /* Q6_K: group j = 4h + 2t + u, one int8 scale per 16 */
-        const int h = j / 4, t = (j % 4) / 2, u = j % 2;
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const float d = f16(blk + 208);
-        for (int half = 0; half < 2; ++half) a[half] = d * (float)sc[2 * j + half], c[half] = -32.f * a[half];
-        const u8x32 lo = shr_bytes(load_u8x32(blk + 64 * h + 32 * u), 4 * t) & 0xF;
-        const u8x32 hi = shr_bytes(load_u8x32(blk + 128 + 32 * h), 2 * (j % 4)) & 3;
-        return lo | shl_bytes(hi, 4);
-    }
-    }
-}
-
-/* 32 codes -> 32 bf16 weights a q + c, rounded to nearest even. */
-static ALWAYS_INLINE void put_bf16x32(uint16_t *out, u8x32 q, int is_signed, const float a[2], const float c[2]) {
-    const __m256i v = (__m256i)q;
-    const __m128i lo8 = _mm256_castsi256_si128(v), hi8 = _mm256_extracti128_si256(v, 1);
-    const __m512i lo = is_signed ? _mm512_cvtepi8_epi32(lo8) : _mm512_cvtepu8_epi32(lo8);
-    const __m512i hi = is_signed ? _mm512_cvtepi8_epi32(hi8) : _mm512_cvtepu8_epi32(hi8);
-    const __m512 wlo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(a[0]), _mm512_set1_ps(c[0]));
-    const __m512 whi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(a[1]), _mm512_set1_ps(c[1]));
-    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(whi, wlo));
-}
-
-static ALWAYS_INLINE void decode_row_t(int type, const uint8_t *row, int64_t k, uint16_t *out) {
-    int64_t weights, bytes;
-    block_geometry(type, &weights, &bytes);
-    for (int64_t b = 0; b < k / weights; ++b)
-        for (int j = 0; j < weights / 32; ++j) {
-            float a[2], c[2];
-            const u8x32 q = sub_block(type, row + b * bytes, j, a, c);
-            put_bf16x32(out + b * weights + 32 * j, q, type == GG_Q8_0, a, c);
-        }
-}
-
-/* One weight row (k weights of `type`) -> bf16; the switch picks a loop specialized per type. */
-static void decode_row(int type, const uint8_t *row, int64_t k, uint16_t *out) {
-    switch (type) {
-    case GG_Q8_0: decode_row_t(GG_Q8_0, row, k, out); return;
-    case GG_Q4_0: decode_row_t(GG_Q4_0, row, k, out); return;
-    case GG_Q4_1: decode_row_t(GG_Q4_1, row, k, out); return;
-    case GG_Q5_0: decode_row_t(GG_Q5_0, row, k, out); return;
-    case GG_Q5_1: decode_row_t(GG_Q5_1, row, k, out); return;
-    case GG_Q4_K: decode_row_t(GG_Q4_K, row, k, out); return;
-    case GG_Q5_K: decode_row_t(GG_Q5_K, row, k, out); return;
-    default: decode_row_t(GG_Q6_K, row, k, out);
-    }
-}
-
-/* Rows [n0, n0 + PANEL_ROWS) of the stacked parts -> wd [PANEL_ROWS][k] bf16 (zeros past n). */
-static void decode_panel(uint16_t *wd, const GgPart *parts, int64_t n0, int64_t n, int64_t k) {
-    int64_t p = 0, first = 0;
-    for (int64_t r = 0; r < PANEL_ROWS; ++r) {
-        const int64_t j = n0 + r;
-        if (j >= n) {
-            memset(wd + r * k, 0, (size_t)k * sizeof(uint16_t));
-            continue;
-        }
-        while (j >= first + parts[p].n) first += parts[p++].n;
-        const int64_t stride = gg_row_bytes(parts[p].type, k);
-        decode_row(parts[p].type, parts[p].data + (j - first) * stride, k, wd + r * k);
-    }
-}
-
 /* x [m, k] fp32 -> xp [k / 2][mp] pairs of bf16 (round to nearest even); rows m..mp-1 zero. */
 static void pack_activations(uint32_t *xp, const float *x, int64_t lda, int64_t m, int64_t mp, int64_t k,
                              int threads) {
@@ -222,7 +130,7 @@ int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const Gg
         pk_amx_config_tiles();
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
-            decode_panel(wd, parts, p * PANEL_ROWS, n, k);
+            decode_rows(wd, k, parts, p * PANEL_ROWS, PANEL_ROWS, n, k, 0, k, 0);
             panel_times_rows(y, ldc, wd, xp, bias, p * PANEL_ROWS, n, m, mp, k);
         }
         _tile_release();

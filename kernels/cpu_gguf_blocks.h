@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_gguf.h"
 #include "cpu_simd.h"
 
 enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14 };
@@ -98,6 +99,132 @@ static ALWAYS_INLINE u8x32 high_bits32(const uint8_t *p) {
     for (int j = 0; j < 32; ++j) v[j] = (uint8_t)(((qh >> j) & 1) << 4);
     return v;
 #endif
+}
+
+/* Sub-block j (32 weights) of a block: its codes (Q8_0's are signed) and w = a[h] q + c[h] for
+ * weights 16 h .. 16 h + 15, as gguf.quants computes them (the decoders of the bf16 paths). */
+static ALWAYS_INLINE u8x32 sub_block(int type, const uint8_t *blk, int j, float a[2], float c[2]) {
+    switch (type) {
+    case GG_Q8_0:
+        a[0] = a[1] = f16(blk), c[0] = c[1] = 0.f;
+        return load_u8x32(blk + 2);
+    case GG_Q4_0:
+        a[0] = a[1] = f16(blk), c[0] = c[1] = -8.f * a[0];
+        return nibbles16(blk + 2);
+    case GG_Q4_1:
+        a[0] = a[1] = f16(blk), c[0] = c[1] = f16(blk + 2);
+        return nibbles16(blk + 4);
+    case GG_Q5_0:
+        a[0] = a[1] = f16(blk), c[0] = c[1] = -16.f * a[0];
+        return nibbles16(blk + 6) | high_bits32(blk + 2);
+    case GG_Q5_1:
+        a[0] = a[1] = f16(blk), c[0] = c[1] = f16(blk + 2);
+        return nibbles16(blk + 8) | high_bits32(blk + 4);
+    case GG_Q4_K:
+    case GG_Q5_K: {
+        const int q5 = type == GG_Q5_K;
+        int sc, mn;
+        scale_min_k4(blk + 4, j, &sc, &mn);
+        a[0] = a[1] = f16(blk) * (float)sc, c[0] = c[1] = -(f16(blk + 2) * (float)mn);
+        u8x32 q = shr_bytes(load_u8x32(blk + (q5 ? 48 : 16) + 32 * (j / 2)), 4 * (j % 2)) & 0xF;
+        if (q5) q |= shl_bytes(shr_bytes(load_u8x32(blk + 16), j) & 1, 4);
+        return q;
+    }
+    default: { /* Q6_K: group j = 4h + 2t + u, one int8 scale per 16 */
+        const int h = j / 4, t = (j % 4) / 2, u = j % 2;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = f16(blk + 208);
+        for (int half = 0; half < 2; ++half) a[half] = d * (float)sc[2 * j + half], c[half] = -32.f * a[half];
+        const u8x32 lo = shr_bytes(load_u8x32(blk + 64 * h + 32 * u), 4 * t) & 0xF;
+        const u8x32 hi = shr_bytes(load_u8x32(blk + 128 + 32 * h), 2 * (j % 4)) & 3;
+        return lo | shl_bytes(hi, 4);
+    }
+    }
+}
+
+typedef uint8_t u8vn __attribute__((vector_size(VN)));
+typedef int8_t i8vn __attribute__((vector_size(VN)));
+
+/* 32 codes -> out[0, 32): the bf16 of a[h] q + c[h] (one fused rounding to fp32, then to nearest
+ * even: the bf16 of gguf.quants' value wherever a q + c is exact in fp32). */
+static ALWAYS_INLINE void codes_to_bf16(uint16_t *out, u8x32 q, int is_signed, const float a[2], const float c[2]) {
+#if defined(__AVX512BF16__)
+    const __m256i v = (__m256i)q;
+    const __m128i lo8 = _mm256_castsi256_si128(v), hi8 = _mm256_extracti128_si256(v, 1);
+    const __m512i lo = is_signed ? _mm512_cvtepi8_epi32(lo8) : _mm512_cvtepu8_epi32(lo8);
+    const __m512i hi = is_signed ? _mm512_cvtepi8_epi32(hi8) : _mm512_cvtepu8_epi32(hi8);
+    const __m512 wlo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(a[0]), _mm512_set1_ps(c[0]));
+    const __m512 whi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(a[1]), _mm512_set1_ps(c[1]));
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(whi, wlo));
+#else
+    for (int g = 0; g < 32; g += VN) {
+        vni codes;
+        if (is_signed) {
+            i8vn s;
+            memcpy(&s, (const char *)&q + g, sizeof s);
+            codes = __builtin_convertvector(s, vni);
+        } else {
+            u8vn u;
+            memcpy(&u, (const char *)&q + g, sizeof u);
+            codes = __builtin_convertvector(u, vni);
+        }
+        const vn w = __builtin_convertvector(codes, vn) * splatn(a[g / 16]) + splatn(c[g / 16]);
+        vnw bits;
+        memcpy(&bits, &w, sizeof bits);
+        const vnh h = __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, vnh);
+        memcpy(out + g, &h, sizeof h);
+    }
+#endif
+}
+
+static ALWAYS_INLINE void decode_row_t(int type, const uint8_t *row, int64_t k, uint16_t *out) {
+    int64_t weights, bytes;
+    block_geometry(type, &weights, &bytes);
+    for (int64_t b = 0; b < k / weights; ++b)
+        for (int j = 0; j < weights / 32; ++j) {
+            float a[2], c[2];
+            const u8x32 q = sub_block(type, row + b * bytes, j, a, c);
+            codes_to_bf16(out + b * weights + 32 * j, q, type == GG_Q8_0, a, c);
+        }
+}
+
+/* One weight row (k weights of `type`) -> bf16; the switch picks a loop specialized per type. */
+static void decode_row(int type, const uint8_t *row, int64_t k, uint16_t *out) {
+    switch (type) {
+    case GG_Q8_0: decode_row_t(GG_Q8_0, row, k, out); return;
+    case GG_Q4_0: decode_row_t(GG_Q4_0, row, k, out); return;
+    case GG_Q4_1: decode_row_t(GG_Q4_1, row, k, out); return;
+    case GG_Q5_0: decode_row_t(GG_Q5_0, row, k, out); return;
+    case GG_Q5_1: decode_row_t(GG_Q5_1, row, k, out); return;
+    case GG_Q4_K: decode_row_t(GG_Q4_K, row, k, out); return;
+    case GG_Q5_K: decode_row_t(GG_Q5_K, row, k, out); return;
+    default: decode_row_t(GG_Q6_K, row, k, out);
+    }
+}
+
+/* Rows [n0, n0 + rows) of the stacked parts (a fused q|k|v may mix types), weights [k0, k0 + len)
+ * of each (whole blocks) -> wd[rows][ld] bf16; zeros for rows past n. `ahead`: also prefetch each
+ * row's next len weights (a decoder reading many short row pieces in turn, which the hardware
+ * prefetchers do not follow). */
+static void decode_rows(uint16_t *wd, int64_t ld, const GgPart *parts, int64_t n0, int64_t rows, int64_t n, int64_t k,
+                        int64_t k0, int64_t len, int ahead) {
+    int64_t p = 0, first = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t j = n0 + r;
+        if (j >= n) {
+            memset(wd + r * ld, 0, (size_t)len * sizeof(uint16_t));
+            continue;
+        }
+        while (j >= first + parts[p].n) first += parts[p++].n;
+        const int type = parts[p].type;
+        int64_t weights, bytes;
+        block_geometry(type, &weights, &bytes);
+        const uint8_t *row = parts[p].data + (j - first) * gg_row_bytes(type, k) + k0 / weights * bytes;
+        const int64_t piece = len / weights * bytes;
+        if (ahead && k0 + 2 * len <= k)
+            for (int64_t line = 0; line < piece; line += 64) __builtin_prefetch(row + piece + line, 0, 3);
+        decode_row(type, row, len, wd + r * ld);
+    }
 }
 
 #endif

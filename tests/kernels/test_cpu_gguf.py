@@ -8,9 +8,12 @@ variant this CPU runs, against llama.cpp's own numpy reference (gguf.quants):
     block of 32 (xs = absmax / 127, round to nearest even), and the output equals x_used W^T in
     float64 (x_used = xq xs, W dequantized by gguf.quants) up to fp32 accumulation round-off; so
     its error against the exact layer is the activation rounding alone (<= xs / 2 per input);
-  * in the avx512amx variant, TILE_MIN_ROWS+ rows run the AMX tiles instead (cpu_gguf_amx.c): x
-    and W rounded to bf16 (W from gguf.quants' value), fp32 accumulation, so the output equals
-    x_bf16 W_bf16^T in float64 up to fp32 round-off; below that the integer path as above;
+  * from a variant's bf16 row count on (the avx512amx variant: TILE_MIN_ROWS, on its AMX tiles,
+    cpu_gguf_amx.c; every other: PANEL_MIN_ROWS, blocks decoded into bf16 panel chunks for the
+    register tiles, cpu_gguf_panels.c) W is rounded to bf16 (from gguf.quants' value) and
+    accumulated in fp32, so the output equals x_used W_bf16^T in float64 up to fp32 round-off,
+    x_used being x rounded to bf16 where the variant multiplies with vdpbf16ps / tiles, x as is
+    elsewhere; below that the integer path as above;
   * fused parts of different types (Q4_K_M's Q4_K q|k with a Q6_K v), bias, odd M and N tails.
 """
 
@@ -40,6 +43,8 @@ F16_FIELDS = {
     T.Q6_K: [208],
 }
 TILE_MIN_ROWS = 4  # kernels/cpu_gguf.h GG_TILE_MIN_ROWS
+PANEL_MIN_ROWS = 8  # kernels/cpu_gguf.h GG_PANEL_MIN_ROWS
+BF16_X = {"avx512amx", "avx512bf16"}  # variants that round x to bf16 to multiply (vdpbf16ps, tiles)
 FP32_SLACK = 2.0**-18  # fp32 rounding of per-block scale products and of the block-sum accumulation
 
 
@@ -89,8 +94,8 @@ def emulate(x: torch.Tensor, w: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m, n, k", [(1, 67, 512), (5, 19, 256), (7, 130, 768)])
 def test_linear_is_the_int8_activation_math(ops, qtype, m, n, k):
-    if ops.variant == "avx512amx" and m >= TILE_MIN_ROWS:
-        pytest.skip(f"{m} rows run the AMX tiles in this variant (test_tiles_are_the_bf16_math)")
+    if m >= bf16_min_rows(ops):
+        pytest.skip(f"{m} rows take the bf16 path in {ops.variant} (test_many_rows_are_the_bf16_math)")
     rng = np.random.default_rng(m * 1000 + n + int(qtype))
     weight = make_weight(qtype, n, k, rng)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
@@ -104,34 +109,36 @@ def test_linear_is_the_int8_activation_math(ops, qtype, m, n, k):
     assert not torch.allclose(want, exact, rtol=0, atol=1e-9)  # the test sees the activation rounding
 
 
-@pytest.fixture
-def amx(all_ops):
-    if "avx512amx" not in all_ops:
-        pytest.skip(f"this CPU or kernel does not run AMX tiles (variants here: {', '.join(all_ops)})")
-    return all_ops["avx512amx"]
+def bf16_min_rows(ops) -> int:
+    return TILE_MIN_ROWS if ops.variant == "avx512amx" else PANEL_MIN_ROWS
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m, n, k", [(TILE_MIN_ROWS, 67, 512), (17, 19, 256), (33, 130, 768), (100, 32, 256)])
-def test_tiles_are_the_bf16_math(all_ops, amx, qtype, m, n, k):
-    """Odd row counts (a 16-row tile half empty, a 32-row block with one tile), N tails (a panel
-    of 32 weight rows cut short), an all-zero activation block; the integer path's int8 math
-    would miss the bound (asserted, so the test sees which path ran)."""
+@pytest.mark.parametrize(
+    "m, n, k", [(None, 67, 512), (17, 19, 256), (33, 130, 768), (100, 32, 256), (9, 70, 2304)]
+)
+def test_many_rows_are_the_bf16_math(ops, qtype, m, n, k):
+    """The first bf16 row count and odd ones (a 16-row tile half empty, a register tile cut
+    short), N tails (a panel of weight rows cut short), K over several panel chunks (2304: two
+    of 1024 and one of 256) and pieces, an all-zero activation block; the integer path's int8
+    math would miss the bound (asserted, so the test sees which path ran)."""
+    m = m or bf16_min_rows(ops)
     rng = np.random.default_rng(m * 1000 + n + int(qtype))
     weight = make_weight(qtype, n, k, rng)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)) * 3
     x[0, :32] = 0
-    y = GgufLinear(amx, [weight], bias)(x).double() - bias.double()
-    x16 = x.to(torch.bfloat16).double()
+    y = GgufLinear(ops, [weight], bias)(x).double() - bias.double()
+    x_used = x.to(torch.bfloat16).double() if ops.variant in BF16_X else x.double()
     w16 = torch.from_numpy(oracle(weight)).to(torch.bfloat16).double()
-    want, magnitude = x16 @ w16.T, x16.abs() @ w16.abs().T
+    want, magnitude = x_used @ w16.T, x_used.abs() @ w16.abs().T
     error = (y - want).abs()
     assert (error <= FP32_SLACK * magnitude + 1e-6).all(), f"max error {error.max():.3g}"
     int8_math, _ = emulate(x, oracle(weight))
     assert not ((int8_math - want).abs() <= FP32_SLACK * magnitude + 1e-6).all()
-    below = GgufLinear(amx, [weight], bias)(x[: TILE_MIN_ROWS - 1]).double() - bias.double()
-    assert torch.allclose(below, int8_math[: TILE_MIN_ROWS - 1], rtol=0, atol=1e-4)  # integer path
+    rows_below = bf16_min_rows(ops) - 1
+    below = GgufLinear(ops, [weight], bias)(x[:rows_below]).double() - bias.double()
+    assert torch.allclose(below, int8_math[:rows_below], rtol=0, atol=1e-4)  # integer path
 
 
 def test_fused_parts_of_different_types(ops):
@@ -142,7 +149,7 @@ def test_fused_parts_of_different_types(ops):
         make_weight(T.Q8_0, 5, 512, rng),
     ]
     fused = GgufLinear(ops, parts, None)
-    for rows in (3, 37):  # 37: the tiles in the avx512amx variant (panels cross the parts)
+    for rows in (3, 37):  # 37: the bf16 path (its panels cross the parts)
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         y = fused(x)
         alone = torch.cat([GgufLinear(ops, [p], None)(x) for p in parts], dim=1)
