@@ -128,9 +128,19 @@ def linears(
         res[f"rows_{rows}"] = _with_ratio(times, min)
         first = outs[next(iter(ops))]
         for key in list(ops)[1:]:  # the same inputs: a rewrite that keeps the sums shows 0.0
-            diff = max(float((a - b).abs().max()) for a, b in zip(outs[key], first, strict=True))
+            diff = max(_finite_diff(a, b) for a, b in zip(outs[key], first, strict=True))
             res[f"rows_{rows}"][key]["max_abs_diff"] = diff
     return res
+
+
+def _finite_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| where both are finite (random GGUF blocks hold inf / NaN scales), inf where
+    only one is."""
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    if not torch.equal(fa, fb):
+        return float("inf")
+    both = fa & fb
+    return float((a[both] - b[both]).abs().max()) if both.any() else 0.0
 
 
 def _with_ratio(times: dict[str, list[float]], pick) -> dict:

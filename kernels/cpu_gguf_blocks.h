@@ -156,6 +156,22 @@ static ALWAYS_INLINE void codes_to_bf16(uint16_t *out, u8x32 q, int is_signed, c
     const __m512 wlo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(a[0]), _mm512_set1_ps(c[0]));
     const __m512 whi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(a[1]), _mm512_set1_ps(c[1]));
     _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(whi, wlo));
+#elif defined(__AVX2__) /* 8 codes a step; the generic loop below extracts bytes one by one here */
+    const __m256i v = (__m256i)q, bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    for (int g = 0; g < 32; g += 16) {
+        __m256i bits[2];
+        for (int e = 0; e < 2; ++e) {
+            const __m128i half = g == 0 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+            const __m128i eight = e == 0 ? half : _mm_srli_si128(half, 8);
+            const __m256i codes = is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+            const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(a[g / 16]), _mm256_set1_ps(c[g / 16]));
+            const __m256i wb = _mm256_castps_si256(w); /* round to nearest even, as store16_bf16 */
+            bits[e] = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(wb, bias), _mm256_and_si256(_mm256_srli_epi32(wb, 16), one)), 16);
+        }
+        /* packus interleaves the 128-bit lanes: 0-3 8-11 4-7 12-15 -> reorder the quadwords */
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits[0], bits[1]), 0xD8);
+        _mm256_storeu_si256((__m256i *)(out + g), packed);
+    }
 #else
     for (int g = 0; g < 32; g += VN) {
         vni codes;

@@ -47,6 +47,28 @@ static ALWAYS_INLINE void transpose16(uint32_t *dst, const uint32_t *src, int64_
         _mm512_storeu_si512(dst + (8 + j) * PK_PANEL_COLS, _mm512_shuffle_i32x4(v1, v3, 0x88));
         _mm512_storeu_si512(dst + (12 + j) * PK_PANEL_COLS, _mm512_shuffle_i32x4(v1, v3, 0xDD));
     }
+#elif defined(__AVX2__) /* four 8 x 8 blocks */
+    for (int cb = 0; cb < 16; cb += 8)
+        for (int ib = 0; ib < 16; ib += 8) {
+            __m256i r[8], t[8];
+            for (int c = 0; c < 8; ++c) r[c] = _mm256_loadu_si256((const __m256i *)(src + (cb + c) * ld + ib));
+            for (int c = 0; c < 8; c += 2) {
+                t[c] = _mm256_unpacklo_epi32(r[c], r[c + 1]);
+                t[c + 1] = _mm256_unpackhi_epi32(r[c], r[c + 1]);
+            }
+            for (int g = 0; g < 8; g += 4) { /* r[g + j]: 128-bit half L holds rows g..g+3 of element 4 L + j */
+                r[g] = _mm256_unpacklo_epi64(t[g], t[g + 2]);
+                r[g + 1] = _mm256_unpackhi_epi64(t[g], t[g + 2]);
+                r[g + 2] = _mm256_unpacklo_epi64(t[g + 1], t[g + 3]);
+                r[g + 3] = _mm256_unpackhi_epi64(t[g + 1], t[g + 3]);
+            }
+            uint32_t *out = dst + ib * PK_PANEL_COLS + cb;
+            for (int j = 0; j < 4; ++j) {
+                _mm256_storeu_si256((__m256i *)(out + j * PK_PANEL_COLS), _mm256_permute2x128_si256(r[j], r[4 + j], 0x20));
+                _mm256_storeu_si256((__m256i *)(out + (4 + j) * PK_PANEL_COLS),
+                                    _mm256_permute2x128_si256(r[j], r[4 + j], 0x31));
+            }
+        }
 #else
     for (int i = 0; i < 16; ++i)
         for (int c = 0; c < 16; ++c) dst[i * PK_PANEL_COLS + c] = src[c * ld + i];
