@@ -8,7 +8,7 @@ minutes apart whose background load differs.
   pass, best of 2 per round, every round listed.
   --gguf MIX: the same linears as random ggml blocks of MIX (Q4_0, Q8_0, Q4_K_M: bench.gguf_linears),
   the GGUF kernels (kernels/cpu_gguf.c). Each row count lists the builds' max |diff| of y.
-- decode: the fast CPU forward of the random 0.5B-shaped model, one worker per build, decode
+- decode: the fast CPU forward of the random 0.5B-shaped model (or --model), one worker per build, decode
   steps of `batch` sequences with 128-token prompts (--context) (bench.common.decode_steps_lockstep):
   median ms per step, two sets.
 - prefill: one prompt of each length, a step per round (bench.amx_ab.prefill_seconds).
@@ -151,7 +151,9 @@ def _with_ratio(times: dict[str, list[float]], pick) -> dict:
     return out
 
 
-def forward_steps(ops: dict, dtype: str, batches: list[int], prefills: list[int], context: int = 128) -> dict:
+def forward_steps(
+    ops: dict, dtype: str, batches: list[int], prefills: list[int], context: int = 128, model: str = MODEL
+) -> dict:
     import worker.cpu_forward as cpu_forward
     from bench.amx_ab import prefill_seconds
     from pagedkv.heap import frozen_after
@@ -163,7 +165,7 @@ def forward_steps(ops: dict, dtype: str, batches: list[int], prefills: list[int]
         cpu_forward.load_cpu_ops = lambda: o  # FastCpuForward takes the build under test
         try:
             config = WorkerConfig(
-                model=MODEL, dtype=dtype, cpu_kernels="fast", kv_cache_memory=2 << 30, max_model_len=2048
+                model=model, dtype=dtype, cpu_kernels="fast", kv_cache_memory=2 << 30, max_model_len=2048
             )
             worker = Worker(config)
         finally:
@@ -242,6 +244,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     mixes = ("Q4_0", "Q4_1", "Q8_0", "Q4_K_M")
     ap.add_argument("--gguf", choices=mixes, help="linears: ggml blocks of this mix")
+    ap.add_argument("--model", default=MODEL, help="decode / prefill: the model (a .gguf file: its blocks)")
     ap.add_argument("--rows", type=_ints, default=[1, 16, 64, 256], help="linears: row counts ('' for none)")
     ap.add_argument("--decode", type=_ints, default=[1, 16, 64], help="decode batch sizes ('' for none)")
     ap.add_argument("--context", type=int, default=128, help="decode / attention: keys a sequence attends to")
@@ -261,7 +264,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "loadavg_before": open("/proc/loadavg").read().split()[:3],
             "linears": linears(ops, getattr(torch, args.dtype), args.rows, gguf=args.gguf),
-            "forward": forward_steps(ops, args.dtype, args.decode, args.prefill, args.context),
+            "forward": forward_steps(ops, args.dtype, args.decode, args.prefill, args.context, args.model),
             "attention": attention(ops, cases, args.attention_layers),
             "loadavg_after": open("/proc/loadavg").read().split()[:3],
         }

@@ -33,7 +33,11 @@ int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const Gg
  * path do (2 threads, the 0.5B's Q4_0 linears, avx512bf16: panels / integer 0.91x at 4 rows,
  * 1.26x at 8, 2.0x at 16, 3.5x at 64; docs/PERF.md). */
 #ifndef GG_PANEL_MIN_ROWS
+#if defined(__AVX2__)
 #define GG_PANEL_MIN_ROWS 8
+#else /* SSE2 / NEON: not measured (the generic decode loops lost 0.4-0.6x in an avx2 build before */
+#define GG_PANEL_MIN_ROWS INT64_MAX /* it had intrinsics), so the integer path keeps every row count */
+#endif
 #endif
 /* gg_linear for m rows on the register tiles (the caller checked the types and k % 32): 0, or -1
  * when scratch could not be allocated. */

@@ -1,8 +1,9 @@
-/* GGUF linears of GG_PANEL_MIN_ROWS+ rows on the register tiles (builds without AMX): prompts,
- * batched decode, speculative verify. The integer path (cpu_gguf.c) unpacks every block once per
- * activation row, right for a decode row that streams the weights once and wrong for many rows
- * that reuse them: there the unpacking, not the bytes, is the cost (the 0.5B shape's Q4_0 linears
- * ran at ~80 GFLOP/s at 16-64 rows on a Zen 4 core pair whose bf16 tiles reach ~400).
+/* GGUF linears of GG_PANEL_MIN_ROWS+ rows on the register tiles (x86 builds without AMX, from
+ * AVX2 up; cpu_gguf.h says why not SSE2 / NEON): prompts, batched decode, speculative verify.
+ * The integer path (cpu_gguf.c) unpacks every block once per activation row, right for a decode
+ * row that streams the weights once and wrong for many rows that reuse them: there the unpacking,
+ * not the bytes, is the cost (the 0.5B shape's Q4_0 linears ran at ~90 GFLOP/s at 64 rows on a
+ * Zen 4 core pair whose bf16 tiles reach ~400).
  *
  * Here cpu_gemm.c's pk_linear_decoded has each thread decode one panel chunk (64 weight rows x up
  * to KC_16 k) at a time into bf16 pairs, the bf16 panels' layout, and run every activation row

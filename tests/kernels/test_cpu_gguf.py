@@ -9,11 +9,11 @@ variant this CPU runs, against llama.cpp's own numpy reference (gguf.quants):
     float64 (x_used = xq xs, W dequantized by gguf.quants) up to fp32 accumulation round-off; so
     its error against the exact layer is the activation rounding alone (<= xs / 2 per input);
   * from a variant's bf16 row count on (the avx512amx variant: TILE_MIN_ROWS, on its AMX tiles,
-    cpu_gguf_amx.c; every other: PANEL_MIN_ROWS, blocks decoded into bf16 panel chunks for the
-    register tiles, cpu_gguf_panels.c) W is rounded to bf16 (from gguf.quants' value) and
-    accumulated in fp32, so the output equals x_used W_bf16^T in float64 up to fp32 round-off,
-    x_used being x rounded to bf16 where the variant multiplies with vdpbf16ps / tiles, x as is
-    elsewhere; below that the integer path as above;
+    cpu_gguf_amx.c; the other x86 variants from avx2 up: PANEL_MIN_ROWS, blocks decoded into bf16
+    panel chunks for the register tiles, cpu_gguf_panels.c; generic / neon: never) W is rounded
+    to bf16 (from gguf.quants' value) and accumulated in fp32, so the output equals
+    x_used W_bf16^T in float64 up to fp32 round-off, x_used being x rounded to bf16 where the
+    variant multiplies with vdpbf16ps / tiles, x as is elsewhere; below it the integer path;
   * fused parts of different types (Q4_K_M's Q4_K q|k with a Q6_K v), bias, odd M and N tails.
 """
 
@@ -43,7 +43,8 @@ F16_FIELDS = {
     T.Q6_K: [208],
 }
 TILE_MIN_ROWS = 4  # kernels/cpu_gguf.h GG_TILE_MIN_ROWS
-PANEL_MIN_ROWS = 8  # kernels/cpu_gguf.h GG_PANEL_MIN_ROWS
+PANEL_MIN_ROWS = 8  # kernels/cpu_gguf.h GG_PANEL_MIN_ROWS, in the x86 variants from avx2 up
+PANEL_VARIANTS = {"avx512bf16", "avx512vnni", "avx512", "avx2"}
 BF16_X = {"avx512amx", "avx512bf16"}  # variants that round x to bf16 to multiply (vdpbf16ps, tiles)
 FP32_SLACK = 2.0**-18  # fp32 rounding of per-block scale products and of the block-sum accumulation
 
@@ -94,7 +95,7 @@ def emulate(x: torch.Tensor, w: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m, n, k", [(1, 67, 512), (5, 19, 256), (7, 130, 768)])
 def test_linear_is_the_int8_activation_math(ops, qtype, m, n, k):
-    if m >= bf16_min_rows(ops):
+    if m >= (bf16_min_rows(ops) or m + 1):
         pytest.skip(f"{m} rows take the bf16 path in {ops.variant} (test_many_rows_are_the_bf16_math)")
     rng = np.random.default_rng(m * 1000 + n + int(qtype))
     weight = make_weight(qtype, n, k, rng)
@@ -109,8 +110,11 @@ def test_linear_is_the_int8_activation_math(ops, qtype, m, n, k):
     assert not torch.allclose(want, exact, rtol=0, atol=1e-9)  # the test sees the activation rounding
 
 
-def bf16_min_rows(ops) -> int:
-    return TILE_MIN_ROWS if ops.variant == "avx512amx" else PANEL_MIN_ROWS
+def bf16_min_rows(ops) -> int | None:
+    """Rows from which `ops` takes the bf16 path; None: the integer path at every row count."""
+    if ops.variant == "avx512amx":
+        return TILE_MIN_ROWS
+    return PANEL_MIN_ROWS if ops.variant in PANEL_VARIANTS else None
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -122,6 +126,8 @@ def test_many_rows_are_the_bf16_math(ops, qtype, m, n, k):
     short), N tails (a panel of weight rows cut short), K over several panel chunks (2304: two
     of 1024 and one of 256) and pieces, an all-zero activation block; the integer path's int8
     math would miss the bound (asserted, so the test sees which path ran)."""
+    if bf16_min_rows(ops) is None:
+        pytest.skip(f"{ops.variant} keeps the integer path at every row count (panels not measured there)")
     m = m or bf16_min_rows(ops)
     rng = np.random.default_rng(m * 1000 + n + int(qtype))
     weight = make_weight(qtype, n, k, rng)
