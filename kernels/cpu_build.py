@@ -55,6 +55,7 @@ SOURCES = (
     "cpu_gguf.c",
     "cpu_gguf_amx.c",
     "cpu_gguf_panels.c",
+    "cpu_gguf_vnni.c",
     "cpu_sampling.c",
     "cpu_decoder.c",
     "cpu_attention.c",

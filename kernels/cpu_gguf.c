@@ -130,9 +130,8 @@ typedef struct {
     const int32_t *sum16; /* [K / 16] */
 } QRow;
 
-/* x [m, k] -> int8 codes per block of 32 (absmax / 127, round to nearest even), sums per 16. */
-static void quantize_rows(int8_t *xq, float *xs, int32_t *sum16, const float *x, int64_t lda, int64_t m,
-                          int64_t k, int threads) {
+void gg_quantize_rows(int8_t *xq, float *xs, int32_t *sum16, const float *x, int64_t lda, int64_t m, int64_t k,
+                      int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 65536)
     for (int64_t r = 0; r < m; ++r)
         for (int64_t b = 0; b < k / 32; ++b) {
@@ -340,6 +339,7 @@ int gg_linear(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *
         n += parts[p].n;
     }
     if (PK_HAVE_AMX && m >= GG_TILE_MIN_ROWS) return gg_linear_tiles(y, ldc, x, lda, parts, bias, m, n, k, threads);
+    if (PK_HAVE_VNNI && m >= GG_VNNI_MIN_ROWS) return gg_linear_vnni(y, ldc, x, lda, parts, bias, m, n, k, threads);
     if (m >= GG_PANEL_MIN_ROWS) return gg_linear_panels(y, ldc, x, lda, parts, nparts, bias, m, n, k, threads);
     int8_t *xq = malloc((size_t)(m * k));
     float *xs = malloc((size_t)(m * (k / 32)) * sizeof(float));
@@ -348,7 +348,7 @@ int gg_linear(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *
         free(xq), free(xs), free(sum16);
         return -1;
     }
-    quantize_rows(xq, xs, sum16, x, lda, m, k, threads);
+    gg_quantize_rows(xq, xs, sum16, x, lda, m, k, threads);
     const int64_t tiles = (n + GG_NT - 1) / GG_NT;
     const int nthreads = tiles >= 2 && m * n * k >= 65536 ? threads : 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)

@@ -43,6 +43,24 @@ int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const Gg
  * when scratch could not be allocated. */
 int gg_linear_panels(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, int64_t nparts,
                      const float *bias, int64_t m, int64_t n, int64_t k, int threads);
+/* Rows from which gg_linear runs the integer math across activation rows on VNNI lanes
+ * (cpu_gguf_vnni.c) in AVX-512 VNNI builds without AMX. */
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define PK_HAVE_VNNI 1
+#else
+#define PK_HAVE_VNNI 0
+#endif
+#ifndef GG_VNNI_MIN_ROWS
+#define GG_VNNI_MIN_ROWS 4
+#endif
+/* gg_linear for m rows on VNNI strips (the caller checked the types and k % 32): 0, -1 when
+ * scratch could not be allocated, -3 in a build without AVX-512 VNNI. */
+int gg_linear_vnni(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, const float *bias,
+                   int64_t m, int64_t n, int64_t k, int threads);
+/* x [m, k] -> the integer path's int8 activation codes: per row and block of 32, xs = absmax / 127
+ * and codes xq (round to nearest even); sum16: the codes' sum per 16. */
+void gg_quantize_rows(int8_t *xq, float *xs, int32_t *sum16, const float *x, int64_t lda, int64_t m, int64_t k,
+                      int threads);
 int gg_dequantize_rows(int type, float *out, const uint8_t *data, const int64_t *ids, int64_t count, int64_t k,
                        int threads);
 

@@ -1,0 +1,421 @@
+/* GGUF linears of GG_VNNI_MIN_ROWS+ rows on AVX-512 VNNI lanes, the integer math of the decode
+ * path (cpu_gguf.c) shared across activation rows: batched decode, prompts, speculative verify.
+ *
+ * The integer path unpacks each block once per activation row into one ymm of codes and reduces
+ * it horizontally: ~10 operations per 32 products. The bf16 panels (cpu_gguf_panels.c) decode
+ * each block once per call, but into bf16 (a float conversion and a rounding per weight, a 16 x
+ * 16 transpose of pairs) and multiply at 32 products per vdpbf16ps. Here each thread regroups 16
+ * weight rows ("a strip") once per call into int8 codes laid out for vpdpbusd, lane c holding
+ * four consecutive k of weight row c, and runs every activation row over the strip: 64 products
+ * per vpdpbusd, the per-block scale work per 16 outputs, no float conversion of the weights.
+ *
+ * Strip layout, per group of 32 k (GROUP_BYTES, the whole K in per-thread scratch, in L2):
+ *   w[8][16] int32   dword j of lane c: codes 4j .. 4j + 3 of the group in weight row c (int8:
+ *                    Q8_0's signed codes, the others' unsigned ones, all below 128)
+ *   a[2][16] float   w = a[h] q + c[h] for k 16 h .. 16 h + 15 (sub_block: Q6_K has a scale per
+ *   c[2][16] float   16; every other type the same a and c for both halves)
+ *   off[2][16] int32 128 x the sum of the codes of each half
+ * Activations are the integer path's int8 codes xq (gg_quantize_rows), made unsigned (xq + 128)
+ * for vpdpbusd's u8 x s8 and corrected exactly in int32: sum (xq + 128) q - 128 sum q = sum xq q.
+ * Then, as the integer path: y += xs (a sum q xq + c sum xq) per group (per half for Q6_K).
+ *
+ * Numerics: the integer path's int8-activation math; only the fp32 order of the per-group sums
+ * differs (tests/kernels/test_cpu_gguf.py bounds both against the same float64 emulation).
+ */
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "cpu_gguf.h"
+#include "cpu_gguf_blocks.h"
+
+#if PK_HAVE_VNNI
+
+#define LANES 16                     /* weight rows per strip: one zmm of int32 lanes */
+#define GROUP_BYTES (512 + 6 * 64)   /* w, a[2], c[2], off[2] of one group of 32 k */
+#ifndef ROW_TILE
+#define ROW_TILE 8                   /* activation rows sharing each loaded group of codes */
+#endif
+#ifndef VNNI_AHEAD
+#define VNNI_AHEAD 2
+#endif
+#ifndef VNNI_LOCALITY
+#define VNNI_LOCALITY 2
+#endif
+
+/* The 16 lanes' 32 codes (one ymm per weight row) -> w[j] = dword j of every lane. */
+static ALWAYS_INLINE void transpose_codes(__m512i w[8], const u8x32 q[LANES]) {
+    __m512i z[8], u[4][2];
+    for (int i = 0; i < 8; ++i) /* rows 2i, 2i + 1 */
+        z[i] = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)q[2 * i]), (__m256i)q[2 * i + 1], 1);
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
+    for (int a = 0; a < 4; ++a) { /* u[a][h] lane 4 r + e: dword 4 h + e of row 4 a + r */
+        u[a][0] = _mm512_permutex2var_epi32(z[2 * a], lo, z[2 * a + 1]);
+        u[a][1] = _mm512_permutex2var_epi32(z[2 * a], hi, z[2 * a + 1]);
+    }
+    for (int p = 0; p < 2; ++p) { /* lanes 0-7: rows 0-7 (of u[0], u[1]) dword 2 p; lanes 8-15: dword 2 p + 1 */
+        const __m512i idx = _mm512_setr_epi32(2 * p, 4 + 2 * p, 8 + 2 * p, 12 + 2 * p, 16 + 2 * p, 20 + 2 * p,
+                                              24 + 2 * p, 28 + 2 * p, 2 * p + 1, 5 + 2 * p, 9 + 2 * p, 13 + 2 * p,
+                                              17 + 2 * p, 21 + 2 * p, 25 + 2 * p, 29 + 2 * p);
+        for (int h = 0; h < 2; ++h) {
+            const __m512i v0 = _mm512_permutex2var_epi32(u[0][h], idx, u[1][h]);
+            const __m512i v1 = _mm512_permutex2var_epi32(u[2][h], idx, u[3][h]);
+            w[4 * h + 2 * p] = _mm512_shuffle_i64x2(v0, v1, 0x44);
+            w[4 * h + 2 * p + 1] = _mm512_shuffle_i64x2(v0, v1, 0xEE);
+        }
+    }
+}
+
+/* 16 bytes of each of 16 rows -> t[j] = dword j of every row, lanes in row order (each 128-bit
+ * lane gathers rows 4 L .. 4 L + 3, then a 4 x 4 dword transpose within the lanes). */
+static ALWAYS_INLINE void gather_dwords4(__m512i t[4], const uint8_t *row0, int64_t stride) {
+    __m512i r[4];
+    for (int a = 0; a < 4; ++a) {
+        r[a] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(row0 + a * stride)));
+        for (int L = 1; L < 4; ++L) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(row0 + (4 * L + a) * stride));
+            r[a] = L == 1 ? _mm512_inserti32x4(r[a], v, 1) : L == 2 ? _mm512_inserti32x4(r[a], v, 2)
+                                                                    : _mm512_inserti32x4(r[a], v, 3);
+        }
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
+    t[0] = _mm512_unpacklo_epi64(t0, t2), t[1] = _mm512_unpackhi_epi64(t0, t2);
+    t[2] = _mm512_unpacklo_epi64(t1, t3), t[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* The fp16 at row0 + l stride (l < 16) as 16 floats; `tail`: read it as the high half of the
+ * dword before it (an fp16 ending a block that may end the tensor: Q6_K's d). */
+static ALWAYS_INLINE __m512 gather_f16(const uint8_t *row0, int64_t stride, int tail) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)stride));
+    const __m512i v = _mm512_i32gather_epi32(at, row0 - 2 * tail, 1);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(tail ? _mm512_srli_epi32(v, 16) : v));
+}
+
+/* One group's codes, scales (a[h], c[h] for its halves) and offsets into the strip. */
+static ALWAYS_INLINE void store_group(uint8_t *s, const __m512i w[8], __m512 a0, __m512 a1, __m512 c0, __m512 c1) {
+    const __m512i u128 = _mm512_set1_epi8((char)0x80);
+    __m512i off[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int j = 0; j < 8; ++j) {
+        _mm512_store_si512(s + 64 * j, w[j]);
+        off[j / 4] = _mm512_dpbusd_epi32(off[j / 4], u128, w[j]);
+    }
+    _mm512_store_ps(s + 512, a0), _mm512_store_ps(s + 576, a1);
+    _mm512_store_ps(s + 640, c0), _mm512_store_ps(s + 704, c1);
+    _mm512_store_si512(s + 768, off[0]);
+    _mm512_store_si512(s + 832, off[1]);
+}
+
+/* 32 bytes at row0 + l stride (l < 16) -> w[j] = their dword j per lane. */
+static ALWAYS_INLINE void gather_dwords8(__m512i w[8], const uint8_t *row0, int64_t stride) {
+    u8x32 q[LANES];
+    for (int l = 0; l < LANES; ++l) q[l] = load_u8x32(row0 + l * stride);
+    transpose_codes(w, q);
+}
+
+/* 16 consecutive rows of one Q4_0 / Q8_0 part (row stride `stride`) -> the strip. */
+static void decode_strip_q4_0(uint8_t *strip, const uint8_t *row0, int64_t stride, int64_t groups) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t *blk = row0 + 18 * g;
+        __m512i t[4], w[8];
+        gather_dwords4(t, blk + 2, stride);
+        for (int j = 0; j < 4; ++j)
+            w[j] = _mm512_and_si512(t[j], low), w[4 + j] = _mm512_and_si512(_mm512_srli_epi32(t[j], 4), low);
+        const __m512 a = gather_f16(blk, stride, 0), c = _mm512_mul_ps(a, _mm512_set1_ps(-8.f));
+        store_group(strip + g * GROUP_BYTES, w, a, a, c, c);
+    }
+}
+
+static void decode_strip_q8_0(uint8_t *strip, const uint8_t *row0, int64_t stride, int64_t groups) {
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t *blk = row0 + 34 * g;
+        __m512i w[8];
+        gather_dwords8(w, blk + 2, stride);
+        const __m512 a = gather_f16(blk, stride, 0), zero = _mm512_setzero_ps();
+        store_group(strip + g * GROUP_BYTES, w, a, a, zero, zero);
+    }
+}
+
+/* Byte b (0..3) of every lane of t as int32, unsigned or signed. */
+static ALWAYS_INLINE __m512i byte_u(__m512i t, int b) { return _mm512_and_si512(_mm512_srli_epi32(t, 8 * b), _mm512_set1_epi32(0xFF)); }
+static ALWAYS_INLINE __m512i byte_s(__m512i t, int b) { return _mm512_srai_epi32(_mm512_slli_epi32(t, 24 - 8 * b), 24); }
+
+static void decode_strip_q4_k(uint8_t *strip, const uint8_t *row0, int64_t stride, int64_t groups) {
+    const __m512i low = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(0xF);
+    for (int64_t sb = 0; sb < groups / 8; ++sb) {
+        const uint8_t *blk = row0 + 144 * sb;
+        __m512i t[4];
+        gather_dwords4(t, blk, stride); /* d | dmin, scales[0..3], [4..7], [8..11] */
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(t[0]));
+        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(t[0], 16)));
+        for (int pair = 0; pair < 4; ++pair) {
+            __m512i raw[8];
+            gather_dwords8(raw, blk + 16 + 32 * pair, stride);
+            for (int e = 0; e < 2; ++e) {
+                const int j = 2 * pair + e;
+                __m512i sc, mn; /* scale_min_k4, lane-wise */
+                if (j < 4) {
+                    sc = _mm512_and_si512(byte_u(t[1], j), six), mn = _mm512_and_si512(byte_u(t[2], j), six);
+                } else {
+                    const __m512i hi = byte_u(t[3], j - 4);
+                    sc = _mm512_or_si512(_mm512_and_si512(hi, four), _mm512_slli_epi32(_mm512_srli_epi32(byte_u(t[1], j - 4), 6), 4));
+                    mn = _mm512_or_si512(_mm512_srli_epi32(hi, 4), _mm512_slli_epi32(_mm512_srli_epi32(byte_u(t[2], j - 4), 6), 4));
+                }
+                const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+                const __m512 c = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
+                __m512i w[8];
+                for (int i = 0; i < 8; ++i) w[i] = _mm512_and_si512(e ? _mm512_srli_epi32(raw[i], 4) : raw[i], low);
+                store_group(strip + (8 * sb + j) * GROUP_BYTES, w, a, a, c, c);
+            }
+        }
+    }
+}
+
+static void decode_strip_q6_k(uint8_t *strip, const uint8_t *row0, int64_t stride, int64_t groups) {
+    const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
+    for (int64_t sb = 0; sb < groups / 8; ++sb) {
+        const uint8_t *blk = row0 + 210 * sb;
+        __m512i sct[4];
+        gather_dwords4(sct, blk + 192, stride); /* the 16 int8 scales */
+        const __m512 d = gather_f16(blk + 208, stride, 1);
+        for (int h = 0; h < 2; ++h) {
+            __m512i ql[2][8], qh[8];
+            gather_dwords8(ql[0], blk + 64 * h, stride);
+            gather_dwords8(ql[1], blk + 64 * h + 32, stride);
+            gather_dwords8(qh, blk + 128 + 32 * h, stride);
+            for (int tu = 0; tu < 4; ++tu) { /* group 4 h + 2 t + u */
+                const int t = tu / 2, u = tu % 2, j = 4 * h + tu;
+                __m512i w[8];
+                for (int i = 0; i < 8; ++i) {
+                    const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(ql[u][i], 4 * t), low);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(qh[i], 2 * tu), two);
+                    w[i] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
+                }
+                __m512 a[2], c[2];
+                for (int half = 0; half < 2; ++half) {
+                    const int b = 2 * j + half;
+                    a[half] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(byte_s(sct[b / 4], b % 4)));
+                    c[half] = _mm512_mul_ps(a[half], _mm512_set1_ps(-32.f));
+                }
+                store_group(strip + (8 * sb + j) * GROUP_BYTES, w, a[0], a[1], c[0], c[1]);
+            }
+        }
+    }
+}
+
+typedef struct {
+    int type;
+    int64_t weights, bytes;
+    const uint8_t *row;
+} LaneRow;
+
+/* Any strip: each lane's sub-blocks through sub_block (the bf16 paths' decoder), then transposed. */
+static void decode_strip_lanes(uint8_t *strip, const LaneRow *lane, int64_t groups) {
+    const __m512i u128 = _mm512_set1_epi8((char)0x80);
+    for (int64_t g = 0; g < groups; ++g) {
+        uint8_t *s = strip + g * GROUP_BYTES;
+        float *a = (float *)(s + 512), *c = (float *)(s + 640);
+        u8x32 q[LANES];
+        for (int l = 0; l < LANES; ++l) {
+            if (lane[l].type < 0) {
+                q[l] = (u8x32){0};
+                a[l] = a[LANES + l] = c[l] = c[LANES + l] = 0.f;
+                continue;
+            }
+            const int64_t per = lane[l].weights / 32;
+            const uint8_t *blk = lane[l].row + g / per * lane[l].bytes;
+            float ah[2], ch[2];
+            q[l] = sub_block(lane[l].type, blk, (int)(g % per), ah, ch);
+            a[l] = ah[0], a[LANES + l] = ah[1], c[l] = ch[0], c[LANES + l] = ch[1];
+        }
+        __m512i w[8];
+        transpose_codes(w, q);
+        __m512i off[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int j = 0; j < 8; ++j) {
+            _mm512_store_si512(s + 64 * j, w[j]);
+            off[j / 4] = _mm512_dpbusd_epi32(off[j / 4], u128, w[j]);
+        }
+        _mm512_store_si512(s + 768, off[0]);
+        _mm512_store_si512(s + 832, off[1]);
+    }
+}
+
+/* Weight rows [n0, n0 + 16) of the stacked parts -> the strip (layout above); returns the lanes
+ * with a scale per 16 (Q6_K). Lanes past n hold zeros. */
+static __mmask16 decode_strip(uint8_t *strip, const GgPart *parts, int64_t n0, int64_t n, int64_t k) {
+    LaneRow lane[LANES];
+    int64_t p = 0, first = 0;
+    int halves = 0, uniform = 1;
+    for (int c = 0; c < LANES; ++c) {
+        const int64_t j = n0 + c;
+        lane[c].type = -1;
+        if (j >= n) {
+            uniform = 0;
+            continue;
+        }
+        while (j >= first + parts[p].n) first += parts[p++].n;
+        lane[c].type = parts[p].type;
+        block_geometry(lane[c].type, &lane[c].weights, &lane[c].bytes);
+        lane[c].row = parts[p].data + (j - first) * gg_row_bytes(lane[c].type, k);
+        halves |= (lane[c].type == GG_Q6_K) << c;
+        uniform &= c == 0 || lane[c].row == lane[0].row + c * gg_row_bytes(lane[0].type, k);
+    }
+    /* The next strip's rows, which the hardware prefetchers will not see coming (16 short streams). */
+    const int64_t stride = gg_row_bytes(lane[0].type, k);
+#if VNNI_AHEAD
+    if (uniform && n0 + (VNNI_AHEAD + 1) * LANES <= n)
+        for (int64_t line = 0; line < LANES * stride; line += 64)
+            __builtin_prefetch(lane[0].row + VNNI_AHEAD * LANES * stride + line, 0, VNNI_LOCALITY);
+#endif
+    if (uniform && lane[0].type == GG_Q4_0)
+        decode_strip_q4_0(strip, lane[0].row, stride, k / 32);
+    else if (uniform && lane[0].type == GG_Q8_0)
+        decode_strip_q8_0(strip, lane[0].row, stride, k / 32);
+    else if (uniform && lane[0].type == GG_Q4_K)
+        decode_strip_q4_k(strip, lane[0].row, stride, k / 32);
+    else if (uniform && lane[0].type == GG_Q6_K)
+        decode_strip_q6_k(strip, lane[0].row, stride, k / 32);
+    else
+        decode_strip_lanes(strip, lane, k / 32);
+    return (__mmask16)halves;
+}
+
+/* Per activation row and group: xu = xq + 128, xs, and xs sum xq per group and per half. */
+typedef struct {
+    const uint8_t *xu;
+    const float *xs, *sum32, *sum16;
+    int64_t k;
+} XRows;
+
+static ALWAYS_INLINE __m512i group_dot(const uint8_t *xu, const __m512i *w, int j0, int j1) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int j = j0; j < j1; ++j) {
+        int32_t four;
+        memcpy(&four, xu + 4 * j, 4);
+        acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(four), w[j]);
+    }
+    return acc;
+}
+
+/* acc[r] += rows [r0, r0 + R) of x . the strip's 16 lanes, over every group. */
+static ALWAYS_INLINE void strip_rows_r(__m512 *acc, const uint8_t *strip, XRows x, int64_t r0, int R, int halves) {
+    const int64_t groups = x.k / 32;
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t *s = strip + g * GROUP_BYTES;
+        __m512i w[8];
+        for (int j = 0; j < 8; ++j) w[j] = _mm512_load_si512(s + 64 * j);
+        const float *a = (const float *)(s + 512), *c = (const float *)(s + 640);
+        const __m512i *off = (const __m512i *)(s + 768);
+        if (!halves) {
+            const __m512 a0 = _mm512_load_ps(a), c0 = _mm512_load_ps(c);
+            const __m512i o = _mm512_add_epi32(off[0], off[1]);
+            UNROLL for (int r = 0; r < R; ++r) {
+                const int64_t row = r0 + r;
+                const __m512i dot = _mm512_sub_epi32(group_dot(x.xu + row * x.k + 32 * g, w, 0, 8), o);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(a0, _mm512_set1_ps(x.xs[row * groups + g])),
+                                         acc[r]);
+                acc[r] = _mm512_fmadd_ps(c0, _mm512_set1_ps(x.sum32[row * groups + g]), acc[r]);
+            }
+        } else {
+            UNROLL for (int r = 0; r < R; ++r) {
+                const int64_t row = r0 + r;
+                const __m512 xs = _mm512_set1_ps(x.xs[row * groups + g]);
+                for (int h = 0; h < 2; ++h) {
+                    const __m512i dot = _mm512_sub_epi32(group_dot(x.xu + row * x.k + 32 * g, w, 4 * h, 4 * h + 4), off[h]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_load_ps(a + LANES * h), xs),
+                                             acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_load_ps(c + LANES * h),
+                                             _mm512_set1_ps(x.sum16[row * 2 * groups + 2 * g + h]), acc[r]);
+                }
+            }
+        }
+    }
+}
+
+/* A lane's sums do not depend on its neighbours: a strip mixing Q6_K lanes with others (a fused
+ * q|k|v's boundary) runs both forms and keeps each lane's own, so a fused linear's outputs equal
+ * its parts' alone bit for bit. */
+static ALWAYS_INLINE void strip_tile(float *y, int64_t ldc, const uint8_t *strip, XRows x, int64_t r0, int R,
+                                     __mmask16 halves, const float *bias, __mmask16 valid) {
+    __m512 acc[ROW_TILE], split[ROW_TILE];
+    for (int r = 0; r < R; ++r) acc[r] = split[r] = _mm512_setzero_ps();
+    if ((halves & valid) != valid) strip_rows_r(acc, strip, x, r0, R, 0);
+    if (halves & valid) {
+        strip_rows_r(split, strip, x, r0, R, 1);
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_mask_blend_ps(halves, acc[r], split[r]);
+    }
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(valid, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldc, valid, _mm512_add_ps(acc[r], b));
+}
+
+/* Every activation row over one decoded strip: tiles of ROW_TILE rows, then the rest. */
+static void strip_all_rows(float *y, int64_t ldc, const uint8_t *strip, XRows x, int64_t m, __mmask16 halves,
+                           const float *bias, __mmask16 valid) {
+    int64_t r0 = 0;
+    for (; r0 + ROW_TILE <= m; r0 += ROW_TILE) strip_tile(y, ldc, strip, x, r0, ROW_TILE, halves, bias, valid);
+    switch (m - r0) {
+    case 7: strip_tile(y, ldc, strip, x, r0, 7, halves, bias, valid); break;
+    case 6: strip_tile(y, ldc, strip, x, r0, 6, halves, bias, valid); break;
+    case 5: strip_tile(y, ldc, strip, x, r0, 5, halves, bias, valid); break;
+    case 4: strip_tile(y, ldc, strip, x, r0, 4, halves, bias, valid); break;
+    case 3: strip_tile(y, ldc, strip, x, r0, 3, halves, bias, valid); break;
+    case 2: strip_tile(y, ldc, strip, x, r0, 2, halves, bias, valid); break;
+    case 1: strip_tile(y, ldc, strip, x, r0, 1, halves, bias, valid); break;
+    default: break;
+    }
+}
+
+int gg_linear_vnni(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, const float *bias,
+                   int64_t m, int64_t n, int64_t k, int threads) {
+    const int64_t groups = k / 32, strips = (n + LANES - 1) / LANES;
+    int8_t *xq = malloc((size_t)(m * k));
+    uint8_t *xu = malloc((size_t)(m * k));
+    float *xs = malloc((size_t)(m * groups) * sizeof(float));
+    int32_t *isum16 = malloc((size_t)(m * 2 * groups) * sizeof(int32_t));
+    float *sum32 = malloc((size_t)(m * groups) * sizeof(float)), *sum16 = malloc((size_t)(m * 2 * groups) * sizeof(float));
+    const int nthreads = strips >= 2 ? threads : 1;
+    uint8_t *scratch = aligned_alloc(64, (size_t)(nthreads * groups * GROUP_BYTES));
+    int status = -1;
+    if (!xq || !xu || !xs || !isum16 || !sum32 || !sum16 || !scratch) goto done;
+    gg_quantize_rows(xq, xs, isum16, x, lda, m, k, threads);
+    for (int64_t i = 0; i < m * k; ++i) xu[i] = (uint8_t)(xq[i] ^ 0x80);
+    for (int64_t i = 0; i < m * groups; ++i) {
+        sum32[i] = xs[i] * (float)(isum16[2 * i] + isum16[2 * i + 1]);
+        sum16[2 * i] = xs[i] * (float)isum16[2 * i], sum16[2 * i + 1] = xs[i] * (float)isum16[2 * i + 1];
+    }
+    const XRows rows = {xu, xs, sum32, sum16, k};
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        uint8_t *strip = scratch + (size_t)omp_get_thread_num() * (size_t)(groups * GROUP_BYTES);
+#else
+        uint8_t *strip = scratch;
+#endif
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < strips; ++t) {
+            const int64_t n0 = t * LANES;
+            const __mmask16 valid = n - n0 >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - n0)) - 1);
+            const __mmask16 halves = decode_strip(strip, parts, n0, n, k);
+            strip_all_rows(y + n0, ldc, strip, rows, m, halves, bias ? bias + n0 : NULL, valid);
+        }
+    }
+    status = 0;
+done:
+    free(xq), free(xu), free(xs), free(isum16), free(sum32), free(sum16), free(scratch);
+    return status;
+}
+
+#else
+
+int gg_linear_vnni(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, const float *bias,
+                   int64_t m, int64_t n, int64_t k, int threads) {
+    (void)y, (void)ldc, (void)x, (void)lda, (void)parts, (void)bias, (void)m, (void)n, (void)k, (void)threads;
+    return -3;
+}
+
+#endif
