@@ -29,8 +29,8 @@ int gg_linear(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *
 int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts,
                     const float *bias, int64_t m, int64_t n, int64_t k, int threads);
 /* Rows from which gg_linear decodes the blocks into bf16 panel chunks for the register tiles
- * (cpu_gguf_panels.c) in builds without AMX: decoding costs about what 4 rows of the integer
- * path do (2 threads, the 0.5B's Q4_0 linears, avx512bf16: panels / integer 0.91x at 4 rows,
+ * (cpu_gguf_panels.c) in builds without AMX or AVX-512 VNNI (avx2, avx512): decoding costs
+ * about what 4 rows of the integer path do (2 threads, the 0.5B's Q4_0 linears, avx512bf16: panels / integer 0.91x at 4 rows,
  * 1.26x at 8, 2.0x at 16, 3.5x at 64; docs/PERF.md). */
 #ifndef GG_PANEL_MIN_ROWS
 #if defined(__AVX2__)
@@ -43,15 +43,18 @@ int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const Gg
  * when scratch could not be allocated. */
 int gg_linear_panels(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, int64_t nparts,
                      const float *bias, int64_t m, int64_t n, int64_t k, int threads);
-/* Rows from which gg_linear runs the integer math across activation rows on VNNI lanes
- * (cpu_gguf_vnni.c) in AVX-512 VNNI builds without AMX. */
+/* Rows from which gg_linear runs the integer math across activation rows on VNNI strips
+ * (cpu_gguf_vnni.c) in AVX-512 VNNI builds without AMX, before the bf16 panels: 2 threads, the
+ * 0.5B's linears, avx512bf16, strips / integer path at 2 / 3 / 4 rows: Q4_0 0.96 / 1.15 / 1.40,
+ * Q8_0 0.89 / 1.01 / 1.14, Q4_K_M 0.78 / 1.09 / 1.35; strips / bf16 panels 1.2-1.6x from 8 to 64
+ * rows (docs/PERF.md). */
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define PK_HAVE_VNNI 1
 #else
 #define PK_HAVE_VNNI 0
 #endif
 #ifndef GG_VNNI_MIN_ROWS
-#define GG_VNNI_MIN_ROWS 4
+#define GG_VNNI_MIN_ROWS 3
 #endif
 /* gg_linear for m rows on VNNI strips (the caller checked the types and k % 32): 0, -1 when
  * scratch could not be allocated, -3 in a build without AVX-512 VNNI. */

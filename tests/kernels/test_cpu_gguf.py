@@ -8,9 +8,14 @@ variant this CPU runs, against llama.cpp's own numpy reference (gguf.quants):
     block of 32 (xs = absmax / 127, round to nearest even), and the output equals x_used W^T in
     float64 (x_used = xq xs, W dequantized by gguf.quants) up to fp32 accumulation round-off; so
     its error against the exact layer is the activation rounding alone (<= xs / 2 per input);
+  * the int8 math holds at every row count in the variants with AVX-512 VNNI and no AMX
+    (avx512bf16, avx512vnni): from VNNI_MIN_ROWS on, the blocks regrouped once per call into
+    strips of 16 weight rows for vpdpbusd (cpu_gguf_vnni.c: per-type strip decoders for Q4_0,
+    Q8_0, Q4_K and Q6_K, the generic lanes decoder for the rest and for strips that cross
+    parts or end past N);
   * from a variant's bf16 row count on (the avx512amx variant: TILE_MIN_ROWS, on its AMX tiles,
-    cpu_gguf_amx.c; the other x86 variants from avx2 up: PANEL_MIN_ROWS, blocks decoded into bf16
-    panel chunks for the register tiles, cpu_gguf_panels.c; generic / neon: never) W is rounded
+    cpu_gguf_amx.c; avx512 and avx2: PANEL_MIN_ROWS, blocks decoded into bf16 panel chunks for
+    the register tiles, cpu_gguf_panels.c; generic / neon and the VNNI variants: never) W is rounded
     to bf16 (from gguf.quants' value) and accumulated in fp32, so the output equals
     x_used W_bf16^T in float64 up to fp32 round-off, x_used being x rounded to bf16 where the
     variant multiplies with vdpbf16ps / tiles, x as is elsewhere; below it the integer path;
@@ -45,6 +50,7 @@ F16_FIELDS = {
 TILE_MIN_ROWS = 4  # kernels/cpu_gguf.h GG_TILE_MIN_ROWS
 PANEL_MIN_ROWS = 8  # kernels/cpu_gguf.h GG_PANEL_MIN_ROWS, in the x86 variants from avx2 up
 PANEL_VARIANTS = {"avx512", "avx2"}
+VNNI_MIN_ROWS = 3  # kernels/cpu_gguf.h GG_VNNI_MIN_ROWS, in the variants with AVX-512 VNNI and no AMX
 BF16_X = {"avx512amx", "avx512bf16"}  # variants that round x to bf16 to multiply (vdpbf16ps, tiles)
 FP32_SLACK = 2.0**-18  # fp32 rounding of per-block scale products and of the block-sum accumulation
 
@@ -93,8 +99,14 @@ def emulate(x: torch.Tensor, w: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m, n, k", [(1, 67, 512), (5, 19, 256), (7, 130, 768), (17, 19, 256), (33, 130, 768), (100, 32, 256), (9, 70, 2304)])
+@pytest.mark.parametrize(
+    "m, n, k",
+    [(1, 67, 512), (VNNI_MIN_ROWS, 67, 512), (5, 19, 256), (7, 130, 768), (17, 19, 256), (33, 130, 768), (100, 32, 256)],
+)
 def test_linear_is_the_int8_activation_math(ops, qtype, m, n, k):
+    """One row and VNNI_MIN_ROWS (the first on the VNNI strips where they run); odd row counts (a
+    tile of 8 cut short); N tails (a strip of 16 cut short: the lanes decoder); 768 / 512 (whole
+    strips of one part: the per-type strip decoders)."""
     if m >= (bf16_min_rows(ops) or m + 1):
         pytest.skip(f"{m} rows take the bf16 path in {ops.variant} (test_many_rows_are_the_bf16_math)")
     rng = np.random.default_rng(m * 1000 + n + int(qtype))
@@ -108,6 +120,21 @@ def test_linear_is_the_int8_activation_math(ops, qtype, m, n, k):
     assert (error <= FP32_SLACK * magnitude + 1e-6).all(), f"max error {error.max():.3g}"
     exact = x.double() @ torch.from_numpy(oracle(weight)).double().T
     assert not torch.allclose(want, exact, rtol=0, atol=1e-9)  # the test sees the activation rounding
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_random_block_bytes_are_the_int8_math(ops, qtype):
+    """Every bit pattern of codes, sub-block scales and mins (random bytes, fp16 scales finite),
+    through whole strips of 16 weight rows and the tile of 8 rows where the VNNI strips run."""
+    m, n, k = 9, 48, 512
+    if m >= (bf16_min_rows(ops) or m + 1):
+        pytest.skip(f"{m} rows take the bf16 path in {ops.variant} (test_many_rows_are_the_bf16_math)")
+    weight = random_blocks(qtype, n, k, np.random.default_rng(int(qtype) + 7))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(int(qtype)))
+    y = GgufLinear(ops, [weight], None)(x).double()
+    want, magnitude = emulate(x, oracle(weight))
+    error = (y - want).abs()
+    assert (error <= FP32_SLACK * magnitude + 1e-6).all(), f"max error {error.max():.3g}"
 
 
 def bf16_min_rows(ops) -> int | None:
@@ -127,7 +154,7 @@ def test_many_rows_are_the_bf16_math(ops, qtype, m, n, k):
     of 1024 and one of 256) and pieces, an all-zero activation block; the integer path's int8
     math would miss the bound (asserted, so the test sees which path ran)."""
     if bf16_min_rows(ops) is None:
-        pytest.skip(f"{ops.variant} keeps the integer path at every row count (panels not measured there)")
+        pytest.skip(f"{ops.variant} runs the int8 math at every row count (VNNI strips or the integer path)")
     m = m or bf16_min_rows(ops)
     rng = np.random.default_rng(m * 1000 + n + int(qtype))
     weight = make_weight(qtype, n, k, rng)
@@ -155,7 +182,7 @@ def test_fused_parts_of_different_types(ops):
         make_weight(T.Q8_0, 5, 512, rng),
     ]
     fused = GgufLinear(ops, parts, None)
-    for rows in (3, 37):  # 37: the bf16 path (its panels cross the parts)
+    for rows in (2, 37):  # 37: the strips / panels / tiles path, whose strips and panels cross the parts
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         y = fused(x)
         alone = torch.cat([GgufLinear(ops, [p], None)(x) for p in parts], dim=1)
