@@ -119,15 +119,17 @@ static ALWAYS_INLINE void gather_dwords8(__m512i w[8], const uint8_t *row0, int6
 
 /* 16 consecutive rows of one Q4_0 / Q8_0 part (row stride `stride`) -> the strip. */
 static void decode_strip_q4_0(uint8_t *strip, const uint8_t *row0, int64_t stride, int64_t groups) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
     for (int64_t g = 0; g < groups; ++g) {
         const uint8_t *blk = row0 + 18 * g;
         __m512i t[4], w[8];
         gather_dwords4(t, blk + 2, stride);
-        for (int j = 0; j < 4; ++j)
-            w[j] = _mm512_and_si512(t[j], low), w[4 + j] = _mm512_and_si512(_mm512_srli_epi32(t[j], 4), low);
-        const __m512 a = gather_f16(blk, stride, 0), c = _mm512_mul_ps(a, _mm512_set1_ps(-8.f));
-        store_group(strip + g * GROUP_BYTES, w, a, a, c, c);
+        for (int j = 0; j < 4; ++j) {
+            w[j] = _mm512_sub_epi8(_mm512_and_si512(t[j], low), eight);
+            w[4 + j] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi32(t[j], 4), low), eight);
+        }
+        const __m512 a = gather_f16(blk, stride, 0), zero = _mm512_setzero_ps();
+        store_group(strip + g * GROUP_BYTES, w, a, a, zero, zero);
     }
 }
 
@@ -194,15 +196,14 @@ static void decode_strip_q6_k(uint8_t *strip, const uint8_t *row0, int64_t strid
                 for (int i = 0; i < 8; ++i) {
                     const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(ql[u][i], 4 * t), low);
                     const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(qh[i], 2 * tu), two);
-                    w[i] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
+                    w[i] = _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi8(32));
                 }
-                __m512 a[2], c[2];
+                __m512 a[2];
                 for (int half = 0; half < 2; ++half) {
                     const int b = 2 * j + half;
                     a[half] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(byte_s(sct[b / 4], b % 4)));
-                    c[half] = _mm512_mul_ps(a[half], _mm512_set1_ps(-32.f));
                 }
-                store_group(strip + (8 * sb + j) * GROUP_BYTES, w, a[0], a[1], c[0], c[1]);
+                store_group(strip + (8 * sb + j) * GROUP_BYTES, w, a[0], a[1], _mm512_setzero_ps(), _mm512_setzero_ps());
             }
         }
     }
@@ -213,6 +214,12 @@ typedef struct {
     int64_t weights, bytes;
     const uint8_t *row;
 } LaneRow;
+
+/* The code offset z of the types whose w = a (q - z): their codes are stored as q - z (int8) and
+ * their c as 0, so the offset is exact in int32 and costs no float work per row. */
+static inline int zero_point(int type) {
+    return type == GG_Q4_0 ? 8 : type == GG_Q5_0 ? 16 : type == GG_Q6_K ? 32 : 0;
+}
 
 /* Any strip: each lane's sub-blocks through sub_block (the bf16 paths' decoder), then transposed. */
 static void decode_strip_lanes(uint8_t *strip, const LaneRow *lane, int64_t groups) {
@@ -229,6 +236,9 @@ static void decode_strip_lanes(uint8_t *strip, const LaneRow *lane, int64_t grou
             const uint8_t *blk = lane[l].row + g / per * lane[l].bytes;
             float ah[2], ch[2];
             q[l] = sub_block(lane[l].type, blk, (int)(g % per), ah, ch);
+            const int zero = zero_point(lane[l].type);
+            if (zero) /* as the per-type decoders: signed codes, no c */
+                q[l] -= (uint8_t)zero, ch[0] = ch[1] = 0.f;
             a[0][l] = ah[0], a[1][l] = ah[1], c[0][l] = ch[0], c[1][l] = ch[1];
         }
         __m512i w[8];
@@ -238,12 +248,19 @@ static void decode_strip_lanes(uint8_t *strip, const LaneRow *lane, int64_t grou
     }
 }
 
-/* Weight rows [n0, n0 + 16) of the stacked parts -> the strip (layout above); returns the lanes
- * with a scale per 16 (Q6_K). Lanes past n hold zeros. */
-static __mmask16 decode_strip(uint8_t *strip, const GgPart *parts, int64_t n0, int64_t n, int64_t k) {
+/* What the rows of a strip must compute: the lanes with a scale per 16 (Q6_K), and whether a
+ * lane has a c (a min) at all. */
+typedef struct {
+    __mmask16 halves;
+    int with_min;
+} StripKind;
+
+/* Weight rows [n0, n0 + 16) of the stacked parts -> the strip (layout above). Lanes past n hold
+ * zeros. */
+static StripKind decode_strip(uint8_t *strip, const GgPart *parts, int64_t n0, int64_t n, int64_t k) {
     LaneRow lane[LANES];
     int64_t p = 0, first = 0;
-    int halves = 0, uniform = 1;
+    int halves = 0, uniform = 1, with_min = 0;
     for (int c = 0; c < LANES; ++c) {
         const int64_t j = n0 + c;
         lane[c].type = -1;
@@ -256,6 +273,7 @@ static __mmask16 decode_strip(uint8_t *strip, const GgPart *parts, int64_t n0, i
         block_geometry(lane[c].type, &lane[c].weights, &lane[c].bytes);
         lane[c].row = parts[p].data + (j - first) * gg_row_bytes(lane[c].type, k);
         halves |= (lane[c].type == GG_Q6_K) << c;
+        with_min |= lane[c].type != GG_Q8_0 && !zero_point(lane[c].type);
         uniform &= c == 0 || lane[c].row == lane[0].row + c * gg_row_bytes(lane[0].type, k);
     }
     /* The next strip's rows, which the hardware prefetchers will not see coming (16 short streams). */
@@ -275,7 +293,7 @@ static __mmask16 decode_strip(uint8_t *strip, const GgPart *parts, int64_t n0, i
         decode_strip_q6_k(strip, lane[0].row, stride, k / 32);
     else
         decode_strip_lanes(strip, lane, k / 32);
-    return (__mmask16)halves;
+    return (StripKind){(__mmask16)halves, with_min};
 }
 
 /* The activation rows group-major, so a tile of rows reads each group's data at one pointer:
@@ -296,8 +314,11 @@ static ALWAYS_INLINE __m512i group_dot(const uint8_t *xu, const __m512i *w, int 
     return acc;
 }
 
-/* acc[r] += rows [r0, r0 + R) of x . the strip's 16 lanes, over every group. */
-static ALWAYS_INLINE void strip_rows_r(__m512 *acc, const uint8_t *strip, XRows x, int64_t r0, int R, int halves) {
+/* acc[r] += rows [r0, r0 + R) of x . the strip's 16 lanes, over every group: per group (per half
+ * where `halves`) acc += xs a (sum (xq + 128) q - off) + c xs sum xq, the last term only
+ * `with_min` (without, every c is 0 and adding 0 changes nothing). */
+static ALWAYS_INLINE void strip_rows_r(__m512 *acc, const uint8_t *strip, XRows x, int64_t r0, int R, int halves,
+                                       int with_min) {
     const int64_t groups = x.k / 32;
     for (int64_t g = 0; g < groups; ++g) {
         const uint8_t *s = strip + g * GROUP_BYTES;
@@ -312,7 +333,7 @@ static ALWAYS_INLINE void strip_rows_r(__m512 *acc, const uint8_t *strip, XRows 
                 const int64_t at = g * x.m + r0 + r;
                 const __m512i dot = _mm512_sub_epi32(group_dot(x.xu + 32 * at, w, 0, 8), o);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(a0, _mm512_set1_ps(x.xs[at])), acc[r]);
-                acc[r] = _mm512_fmadd_ps(c0, _mm512_set1_ps(x.sum32[at]), acc[r]);
+                if (with_min) acc[r] = _mm512_fmadd_ps(c0, _mm512_set1_ps(x.sum32[at]), acc[r]);
             }
         } else {
             UNROLL for (int r = 0; r < R; ++r) {
@@ -322,43 +343,57 @@ static ALWAYS_INLINE void strip_rows_r(__m512 *acc, const uint8_t *strip, XRows 
                     const __m512i dot = _mm512_sub_epi32(group_dot(x.xu + 32 * at, w, 4 * h, 4 * h + 4), off[h]);
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_load_ps(a + LANES * h), xs),
                                              acc[r]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_load_ps(c + LANES * h),
-                                             _mm512_set1_ps(x.sum16[2 * at + h]), acc[r]);
+                    if (with_min)
+                        acc[r] = _mm512_fmadd_ps(_mm512_load_ps(c + LANES * h), _mm512_set1_ps(x.sum16[2 * at + h]),
+                                                 acc[r]);
                 }
             }
         }
     }
 }
 
+/* strip_rows_r with its forms as constants. */
+static ALWAYS_INLINE void strip_rows(__m512 *acc, const uint8_t *strip, XRows x, int64_t r0, int R, int halves,
+                                     int with_min) {
+    if (halves && with_min)
+        strip_rows_r(acc, strip, x, r0, R, 1, 1);
+    else if (halves)
+        strip_rows_r(acc, strip, x, r0, R, 1, 0);
+    else if (with_min)
+        strip_rows_r(acc, strip, x, r0, R, 0, 1);
+    else
+        strip_rows_r(acc, strip, x, r0, R, 0, 0);
+}
+
 /* A lane's sums do not depend on its neighbours: a strip mixing Q6_K lanes with others (a fused
  * q|k|v's boundary) runs both forms and keeps each lane's own, so a fused linear's outputs equal
  * its parts' alone bit for bit. */
 static ALWAYS_INLINE void strip_tile(float *y, int64_t ldc, const uint8_t *strip, XRows x, int64_t r0, int R,
-                                     __mmask16 halves, const float *bias, __mmask16 valid) {
+                                     StripKind kind, const float *bias, __mmask16 valid) {
     __m512 acc[ROW_TILE], split[ROW_TILE];
     for (int r = 0; r < R; ++r) acc[r] = split[r] = _mm512_setzero_ps();
-    if ((halves & valid) != valid) strip_rows_r(acc, strip, x, r0, R, 0);
-    if (halves & valid) {
-        strip_rows_r(split, strip, x, r0, R, 1);
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_mask_blend_ps(halves, acc[r], split[r]);
+    if ((kind.halves & valid) != valid) strip_rows(acc, strip, x, r0, R, 0, kind.with_min);
+    if (kind.halves & valid) {
+        strip_rows(split, strip, x, r0, R, 1, kind.with_min);
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_mask_blend_ps(kind.halves, acc[r], split[r]);
     }
     const __m512 b = bias ? _mm512_maskz_loadu_ps(valid, bias) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldc, valid, _mm512_add_ps(acc[r], b));
 }
 
 /* Every activation row over one decoded strip: tiles of ROW_TILE rows, then the rest. */
-static void strip_all_rows(float *y, int64_t ldc, const uint8_t *strip, XRows x, int64_t m, __mmask16 halves,
+static void strip_all_rows(float *y, int64_t ldc, const uint8_t *strip, XRows x, int64_t m, StripKind kind,
                            const float *bias, __mmask16 valid) {
     int64_t r0 = 0;
-    for (; r0 + ROW_TILE <= m; r0 += ROW_TILE) strip_tile(y, ldc, strip, x, r0, ROW_TILE, halves, bias, valid);
+    for (; r0 + ROW_TILE <= m; r0 += ROW_TILE) strip_tile(y, ldc, strip, x, r0, ROW_TILE, kind, bias, valid);
     switch (m - r0) {
-    case 7: strip_tile(y, ldc, strip, x, r0, 7, halves, bias, valid); break;
-    case 6: strip_tile(y, ldc, strip, x, r0, 6, halves, bias, valid); break;
-    case 5: strip_tile(y, ldc, strip, x, r0, 5, halves, bias, valid); break;
-    case 4: strip_tile(y, ldc, strip, x, r0, 4, halves, bias, valid); break;
-    case 3: strip_tile(y, ldc, strip, x, r0, 3, halves, bias, valid); break;
-    case 2: strip_tile(y, ldc, strip, x, r0, 2, halves, bias, valid); break;
-    case 1: strip_tile(y, ldc, strip, x, r0, 1, halves, bias, valid); break;
+    case 7: strip_tile(y, ldc, strip, x, r0, 7, kind, bias, valid); break;
+    case 6: strip_tile(y, ldc, strip, x, r0, 6, kind, bias, valid); break;
+    case 5: strip_tile(y, ldc, strip, x, r0, 5, kind, bias, valid); break;
+    case 4: strip_tile(y, ldc, strip, x, r0, 4, kind, bias, valid); break;
+    case 3: strip_tile(y, ldc, strip, x, r0, 3, kind, bias, valid); break;
+    case 2: strip_tile(y, ldc, strip, x, r0, 2, kind, bias, valid); break;
+    case 1: strip_tile(y, ldc, strip, x, r0, 1, kind, bias, valid); break;
     default: break;
     }
 }
@@ -396,8 +431,8 @@ int gg_linear_vnni(float *y, int64_t ldc, const float *x, int64_t lda, const GgP
         for (int64_t t = 0; t < strips; ++t) {
             const int64_t n0 = t * LANES;
             const __mmask16 valid = n - n0 >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - n0)) - 1);
-            const __mmask16 halves = decode_strip(strip, parts, n0, n, k);
-            strip_all_rows(y + n0, ldc, strip, rows, m, halves, bias ? bias + n0 : NULL, valid);
+            const StripKind kind = decode_strip(strip, parts, n0, n, k);
+            strip_all_rows(y + n0, ldc, strip, rows, m, kind, bias ? bias + n0 : NULL, valid);
         }
     }
     status = 0;
