@@ -304,8 +304,9 @@ typedef struct {
     int64_t m, k;
 } XRows;
 
-static ALWAYS_INLINE __m512i group_dot(const uint8_t *xu, const __m512i *w, int j0, int j1) {
-    __m512i acc = _mm512_setzero_si512();
+/* from + sum over dwords j0 .. j1 - 1 of (xq + 128) q, lane-wise. */
+static ALWAYS_INLINE __m512i group_dot(__m512i from, const uint8_t *xu, const __m512i *w, int j0, int j1) {
+    __m512i acc = from;
     for (int j = j0; j < j1; ++j) {
         int32_t four;
         memcpy(&four, xu + 4 * j, 4);
@@ -328,10 +329,10 @@ static ALWAYS_INLINE void strip_rows_r(__m512 *acc, const uint8_t *strip, XRows 
         const __m512i *off = (const __m512i *)(s + 768);
         if (!halves) {
             const __m512 a0 = _mm512_load_ps(a), c0 = _mm512_load_ps(c);
-            const __m512i o = _mm512_add_epi32(off[0], off[1]);
+            const __m512i neg = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_add_epi32(off[0], off[1]));
             UNROLL for (int r = 0; r < R; ++r) {
                 const int64_t at = g * x.m + r0 + r;
-                const __m512i dot = _mm512_sub_epi32(group_dot(x.xu + 32 * at, w, 0, 8), o);
+                const __m512i dot = group_dot(neg, x.xu + 32 * at, w, 0, 8);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(a0, _mm512_set1_ps(x.xs[at])), acc[r]);
                 if (with_min) acc[r] = _mm512_fmadd_ps(c0, _mm512_set1_ps(x.sum32[at]), acc[r]);
             }
@@ -340,7 +341,7 @@ static ALWAYS_INLINE void strip_rows_r(__m512 *acc, const uint8_t *strip, XRows 
                 const int64_t at = g * x.m + r0 + r;
                 const __m512 xs = _mm512_set1_ps(x.xs[at]);
                 for (int h = 0; h < 2; ++h) {
-                    const __m512i dot = _mm512_sub_epi32(group_dot(x.xu + 32 * at, w, 4 * h, 4 * h + 4), off[h]);
+                    const __m512i dot = group_dot(_mm512_sub_epi32(_mm512_setzero_si512(), off[h]), x.xu + 32 * at, w, 4 * h, 4 * h + 4);
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_load_ps(a + LANES * h), xs),
                                              acc[r]);
                     if (with_min)
