@@ -30,7 +30,10 @@
  *   Q8_0:  xs d sum q xq  (signed x signed: |q| and sign(x, q) on x86)
  *
  * Threads split N; each reads its rows of blocks once per step (a decode row streams them), and
- * a batch reuses a tile of GG_NT rows of blocks from cache for every activation row.
+ * a batch reuses a tile of GG_NT rows of blocks from cache for every activation row. From a few
+ * rows on gg_linear hands the call to a path that unpacks each block once per call, not per row
+ * (cpu_gguf.h says from how many rows): the same int8 math on VNNI strips (cpu_gguf_vnni.c), or
+ * bf16 weights on AMX tiles (cpu_gguf_amx.c) or the register tiles (cpu_gguf_panels.c).
  */
 #include <stdlib.h>
 #ifdef _OPENMP
@@ -340,7 +343,7 @@ int gg_linear(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *
     }
     if (PK_HAVE_AMX && m >= GG_TILE_MIN_ROWS) return gg_linear_tiles(y, ldc, x, lda, parts, bias, m, n, k, threads);
     if (PK_HAVE_VNNI && m >= GG_VNNI_MIN_ROWS) return gg_linear_vnni(y, ldc, x, lda, parts, bias, m, n, k, threads);
-    if (m >= GG_PANEL_MIN_ROWS) return gg_linear_panels(y, ldc, x, lda, parts, nparts, bias, m, n, k, threads);
+    if (PK_HAVE_PANELS && m >= GG_PANEL_MIN_ROWS) return gg_linear_panels(y, ldc, x, lda, parts, nparts, bias, m, n, k, threads);
     int8_t *xq = malloc((size_t)(m * k));
     float *xs = malloc((size_t)(m * (k / 32)) * sizeof(float));
     int32_t *sum16 = malloc((size_t)(m * (k / 16)) * sizeof(int32_t));

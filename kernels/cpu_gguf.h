@@ -32,15 +32,16 @@ int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const Gg
  * (cpu_gguf_panels.c) in builds without AMX or AVX-512 VNNI (avx2, avx512): decoding costs
  * about what 4 rows of the integer path do (2 threads, the 0.5B's Q4_0 linears, avx512bf16: panels / integer 0.91x at 4 rows,
  * 1.26x at 8, 2.0x at 16, 3.5x at 64; docs/PERF.md). */
-#ifndef GG_PANEL_MIN_ROWS
 #if defined(__AVX2__)
+#define PK_HAVE_PANELS 1
+#else /* SSE2 / NEON: not measured (the generic decode loops lost 0.4-0.6x in an avx2 build before it */
+#define PK_HAVE_PANELS 0 /* had intrinsics), so the integer path keeps every row count */
+#endif
+#ifndef GG_PANEL_MIN_ROWS
 #define GG_PANEL_MIN_ROWS 8
-#else /* SSE2 / NEON: not measured (the generic decode loops lost 0.4-0.6x in an avx2 build before */
-#define GG_PANEL_MIN_ROWS INT64_MAX /* it had intrinsics), so the integer path keeps every row count */
 #endif
-#endif
-/* gg_linear for m rows on the register tiles (the caller checked the types and k % 32): 0, or -1
- * when scratch could not be allocated. */
+/* gg_linear for m rows on the register tiles (the caller checked the types and k % 32): 0, -1
+ * when scratch could not be allocated, -3 in a build without AVX2. */
 int gg_linear_panels(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, int64_t nparts,
                      const float *bias, int64_t m, int64_t n, int64_t k, int threads);
 /* Rows from which gg_linear runs the integer math across activation rows on VNNI strips

@@ -142,8 +142,7 @@ static ALWAYS_INLINE u8x32 sub_block(int type, const uint8_t *blk, int j, float 
     }
 }
 
-typedef uint8_t u8vn __attribute__((vector_size(VN)));
-typedef int8_t i8vn __attribute__((vector_size(VN)));
+#if defined(__AVX2__) /* the bf16 decoders: the panels and the AMX tiles, built from AVX2 up (cpu_gguf.h) */
 
 /* 32 codes -> out[0, 32): the bf16 of a[h] q + c[h] (one fused rounding to fp32, then to nearest
  * even: the bf16 of gguf.quants' value wherever a q + c is exact in fp32). */
@@ -156,7 +155,7 @@ static ALWAYS_INLINE void codes_to_bf16(uint16_t *out, u8x32 q, int is_signed, c
     const __m512 wlo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(a[0]), _mm512_set1_ps(c[0]));
     const __m512 whi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(a[1]), _mm512_set1_ps(c[1]));
     _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(whi, wlo));
-#elif defined(__AVX2__) /* 8 codes a step; the generic loop below extracts bytes one by one here */
+#else /* AVX2: 8 codes a step (GCC's generic vector code extracts the bytes one by one) */
     const __m256i v = (__m256i)q, bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
     for (int g = 0; g < 32; g += 16) {
         __m256i bits[2];
@@ -171,24 +170,6 @@ static ALWAYS_INLINE void codes_to_bf16(uint16_t *out, u8x32 q, int is_signed, c
         /* packus interleaves the 128-bit lanes: 0-3 8-11 4-7 12-15 -> reorder the quadwords */
         const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits[0], bits[1]), 0xD8);
         _mm256_storeu_si256((__m256i *)(out + g), packed);
-    }
-#else
-    for (int g = 0; g < 32; g += VN) {
-        vni codes;
-        if (is_signed) {
-            i8vn s;
-            memcpy(&s, (const char *)&q + g, sizeof s);
-            codes = __builtin_convertvector(s, vni);
-        } else {
-            u8vn u;
-            memcpy(&u, (const char *)&q + g, sizeof u);
-            codes = __builtin_convertvector(u, vni);
-        }
-        const vn w = __builtin_convertvector(codes, vn) * splatn(a[g / 16]) + splatn(c[g / 16]);
-        vnw bits;
-        memcpy(&bits, &w, sizeof bits);
-        const vnh h = __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, vnh);
-        memcpy(out + g, &h, sizeof h);
     }
 #endif
 }
@@ -205,7 +186,7 @@ static ALWAYS_INLINE void decode_row_t(int type, const uint8_t *row, int64_t k, 
 }
 
 /* One weight row (k weights of `type`) -> bf16; the switch picks a loop specialized per type. */
-static void decode_row(int type, const uint8_t *row, int64_t k, uint16_t *out) {
+static inline void decode_row(int type, const uint8_t *row, int64_t k, uint16_t *out) {
     switch (type) {
     case GG_Q8_0: decode_row_t(GG_Q8_0, row, k, out); return;
     case GG_Q4_0: decode_row_t(GG_Q4_0, row, k, out); return;
@@ -222,7 +203,7 @@ static void decode_row(int type, const uint8_t *row, int64_t k, uint16_t *out) {
  * of each (whole blocks) -> wd[rows][ld] bf16; zeros for rows past n. `ahead`: also prefetch each
  * row's next len weights (a decoder reading many short row pieces in turn, which the hardware
  * prefetchers do not follow). */
-static void decode_rows(uint16_t *wd, int64_t ld, const GgPart *parts, int64_t n0, int64_t rows, int64_t n, int64_t k,
+static inline void decode_rows(uint16_t *wd, int64_t ld, const GgPart *parts, int64_t n0, int64_t rows, int64_t n, int64_t k,
                         int64_t k0, int64_t len, int ahead) {
     int64_t p = 0, first = 0;
     for (int64_t r = 0; r < rows; ++r) {
@@ -242,5 +223,7 @@ static void decode_rows(uint16_t *wd, int64_t ld, const GgPart *parts, int64_t n
         decode_row(type, row, len, wd + r * ld);
     }
 }
+
+#endif /* __AVX2__ */
 
 #endif

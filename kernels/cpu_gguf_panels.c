@@ -1,5 +1,5 @@
-/* GGUF linears of GG_PANEL_MIN_ROWS+ rows on the register tiles (x86 builds without AMX, from
- * AVX2 up; cpu_gguf.h says why not SSE2 / NEON): prompts, batched decode, speculative verify.
+/* GGUF linears of GG_PANEL_MIN_ROWS+ rows on the register tiles (x86 builds from AVX2 up without
+ * AMX or AVX-512 VNNI; cpu_gguf.h says why not SSE2 / NEON): prompts, batched decode, speculative verify.
  * The integer path (cpu_gguf.c) unpacks every block once per activation row, right for a decode
  * row that streams the weights once and wrong for many rows that reuse them: there the unpacking,
  * not the bytes, is the cost (the 0.5B shape's Q4_0 linears ran at ~90 GFLOP/s at 64 rows on a
@@ -15,6 +15,8 @@
 #include "cpu_gemm.h"
 #include "cpu_gguf.h"
 #include "cpu_gguf_blocks.h"
+
+#if PK_HAVE_PANELS
 
 typedef struct {
     const GgPart *parts;
@@ -48,7 +50,7 @@ static ALWAYS_INLINE void transpose16(uint32_t *dst, const uint32_t *src, int64_
         _mm512_storeu_si512(dst + (8 + j) * PK_PANEL_COLS, _mm512_shuffle_i32x4(v1, v3, 0x88));
         _mm512_storeu_si512(dst + (12 + j) * PK_PANEL_COLS, _mm512_shuffle_i32x4(v1, v3, 0xDD));
     }
-#elif defined(__AVX2__) /* four 8 x 8 blocks */
+#else /* AVX2: four 8 x 8 blocks */
     for (int cb = 0; cb < 16; cb += 8)
         for (int ib = 0; ib < 16; ib += 8) {
             __m256i r[8], t[8];
@@ -70,9 +72,6 @@ static ALWAYS_INLINE void transpose16(uint32_t *dst, const uint32_t *src, int64_
                                     _mm256_permute2x128_si256(r[j], r[4 + j], 0x31));
             }
         }
-#else
-    for (int i = 0; i < 16; ++i)
-        for (int c = 0; c < 16; ++c) dst[i * PK_PANEL_COLS + c] = src[c * ld + i];
 #endif
 }
 
@@ -102,3 +101,14 @@ int gg_linear_panels(float *y, int64_t ldc, const float *x, int64_t lda, const G
     const GgWeight weight = {parts, n, k};
     return pk_linear_decoded(y, ldc, x, lda, decode_chunk, &weight, bias, m, n, k, k_step, threads);
 }
+
+#else
+
+int gg_linear_panels(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts, int64_t nparts,
+                     const float *bias, int64_t m, int64_t n, int64_t k, int threads) {
+    (void)y, (void)ldc, (void)x, (void)lda, (void)parts, (void)nparts, (void)bias, (void)m, (void)n, (void)k;
+    (void)threads;
+    return -3;
+}
+
+#endif
