@@ -101,7 +101,15 @@ def emulate(x: torch.Tensor, w: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(
     "m, n, k",
-    [(1, 67, 512), (VNNI_MIN_ROWS, 67, 512), (5, 19, 256), (7, 130, 768), (17, 19, 256), (33, 130, 768), (100, 32, 256)],
+    [
+        (1, 67, 512),
+        (VNNI_MIN_ROWS, 67, 512),
+        (5, 19, 256),
+        (7, 130, 768),
+        (17, 19, 256),
+        (33, 130, 768),
+        (100, 32, 256),
+    ],
 )
 def test_linear_is_the_int8_activation_math(ops, qtype, m, n, k):
     """One row and VNNI_MIN_ROWS (the first on the VNNI strips where they run); odd row counts (a
