@@ -55,7 +55,7 @@ int gg_linear_panels(float *y, int64_t ldc, const float *x, int64_t lda, const G
 #define PK_HAVE_VNNI 0
 #endif
 #ifndef GG_VNNI_MIN_ROWS
-#define GG_VNNI_MIN_ROWS 3
+#define GG_VNNI_MIN_ROWS 4
 #endif
 /* gg_linear for m rows on VNNI strips (the caller checked the types and k % 32): 0, -1 when
  * scratch could not be allocated, -3 in a build without AVX-512 VNNI. */

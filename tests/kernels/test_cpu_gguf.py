@@ -50,7 +50,7 @@ F16_FIELDS = {
 TILE_MIN_ROWS = 4  # kernels/cpu_gguf.h GG_TILE_MIN_ROWS
 PANEL_MIN_ROWS = 8  # kernels/cpu_gguf.h GG_PANEL_MIN_ROWS, in the x86 variants from avx2 up
 PANEL_VARIANTS = {"avx512", "avx2"}
-VNNI_MIN_ROWS = 3  # kernels/cpu_gguf.h GG_VNNI_MIN_ROWS, in the variants with AVX-512 VNNI and no AMX
+VNNI_MIN_ROWS = 4  # kernels/cpu_gguf.h GG_VNNI_MIN_ROWS, in the variants with AVX-512 VNNI and no AMX
 BF16_X = {"avx512amx", "avx512bf16"}  # variants that round x to bf16 to multiply (vdpbf16ps, tiles)
 FP32_SLACK = 2.0**-18  # fp32 rounding of per-block scale products and of the block-sum accumulation
 
