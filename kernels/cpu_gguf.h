@@ -46,9 +46,9 @@ int gg_linear_panels(float *y, int64_t ldc, const float *x, int64_t lda, const G
                      const float *bias, int64_t m, int64_t n, int64_t k, int threads);
 /* Rows from which gg_linear runs the integer math across activation rows on VNNI strips
  * (cpu_gguf_vnni.c) in AVX-512 VNNI builds without AMX, before the bf16 panels: 2 threads, the
- * 0.5B's linears, avx512bf16, strips / integer path at 2 / 3 / 4 rows: Q4_0 0.96 / 1.15 / 1.40,
- * Q8_0 0.89 / 1.01 / 1.14, Q4_K_M 0.78 / 1.09 / 1.35; strips / bf16 panels 1.2-1.6x from 8 to 64
- * rows (docs/PERF.md). */
+ * 0.5B's linears, avx512bf16, strips / integer path at 3 and 4 rows in two runs: Q4_0 0.82-1.15
+ * and 1.07-1.40, Q8_0 1.01-1.06 and 1.14-1.25, Q4_K_M 1.09-1.13 and 1.35-1.45; strips / bf16
+ * panels 1.2-1.5x from 8 to 64 rows (docs/PERF.md). */
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define PK_HAVE_VNNI 1
 #else

@@ -8,7 +8,7 @@ not bit-equal to the fp32 reference: teacher-forced top-1 agreement is asserted 
 floor; and it equals that int8 math emulated in torch (>= 97 %: measured 98.9-100 %). On an AMX
 build, steps of 4+ rows run the tiles instead (kernels/cpu_gguf_amx.c: activations and weights
 in bf16), and the emulation follows: the 4-stream decode steps below are such steps there.
-Builds with AVX-512 VNNI and no AMX run the same int8 math from 3 rows on VNNI strips
+Builds with AVX-512 VNNI and no AMX run the same int8 math from 4 rows on VNNI strips
 (kernels/cpu_gguf_vnni.c): the 4-stream steps below are such steps there. The avx2 and avx512
 builds decode steps of 8+ rows to bf16 panels (kernels/cpu_gguf_panels.c); their 4-stream steps
 stay on the integer path, and tests/kernels/test_cpu_gguf.py holds the panels to their bf16 math.
