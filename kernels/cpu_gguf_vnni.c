@@ -123,7 +123,7 @@ static ALWAYS_INLINE void gather_dwords8(__m512i w[8], const uint8_t *row0, int6
     transpose_codes(w, q);
 }
 
-/* 16 consecutive rows of one Q4_0 / Q8_0 part (row stride `stride`) -> the strip. */
+/* 16 consecutive rows of one part (row stride `stride`) -> the strip, one decoder per type. */
 static void decode_strip_q4_0(uint8_t *strip, const uint8_t *row0, int64_t stride, int64_t groups) {
     const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
     for (int64_t g = 0; g < groups; ++g) {
