@@ -343,11 +343,13 @@ static ALWAYS_INLINE void strip_rows_r(__m512 *acc, const uint8_t *strip, XRows 
                 if (with_min) acc[r] = _mm512_fmadd_ps(c0, _mm512_set1_ps(x.sum32[at]), acc[r]);
             }
         } else {
+            const __m512i neg[2] = {_mm512_sub_epi32(_mm512_setzero_si512(), off[0]),
+                                    _mm512_sub_epi32(_mm512_setzero_si512(), off[1])};
             UNROLL for (int r = 0; r < R; ++r) {
                 const int64_t at = g * x.m + r0 + r;
                 const __m512 xs = _mm512_set1_ps(x.xs[at]);
                 for (int h = 0; h < 2; ++h) {
-                    const __m512i dot = group_dot(_mm512_sub_epi32(_mm512_setzero_si512(), off[h]), x.xu + 32 * at, w, 4 * h, 4 * h + 4);
+                    const __m512i dot = group_dot(neg[h], x.xu + 32 * at, w, 4 * h, 4 * h + 4);
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_load_ps(a + LANES * h), xs),
                                              acc[r]);
                     if (with_min)
