@@ -110,13 +110,39 @@ def commit() -> str:
         return "unknown"
 
 
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+# Flags that decide which kernels and ceilings apply (kernels/cpu_build.py's variants).
+FLAGS_OF_NOTE = (
+    "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "avx_vnni",
+    "amx_tile", "amx_bf16", "amx_int8", "amx_fp16", "asimd", "sve",
+)  # fmt: skip
+
+
+def cpu_identity(cpuinfo: str) -> dict:
+    """The first processor's model name, family / model / stepping (two VMs both named "Intel(R)
+    Xeon(R) Processor" differ there: model 143 is Sapphire Rapids, 207 Emerald Rapids) and its
+    flags of note, from /proc/cpuinfo's text."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
                 break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    out = {"flags_of_note": " ".join(f for f in FLAGS_OF_NOTE if f in flags)}
+    if "model name" in fields:
+        out["cpu"] = fields["model name"]
+    if "cpu family" in fields:
+        model, stepping = fields.get("model", "?"), fields.get("stepping", "?")
+        out["cpu_model"] = f"family {fields['cpu family']} model {model} stepping {stepping}"
+    return out
+
+
+def machine() -> dict:
+    cpu = {"cpu": platform.processor() or platform.machine()}
+    try:
+        cpu.update(cpu_identity(Path("/proc/cpuinfo").read_text()))
     except OSError:
         pass
     versions = {}
@@ -128,7 +154,7 @@ def machine() -> dict:
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": cpu,
+        **cpu,
         "cpus": os.cpu_count(),
         **versions,
     }
