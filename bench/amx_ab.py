@@ -29,6 +29,7 @@ import torch
 from base.plan import SamplingParams
 from bench.ceilings import QWEN05_SHAPES, best_seconds, packed_gemm_gflops, streaming_gemm_gflops
 from bench.common import TimedWorker, decode_steps_lockstep, engine_for, median
+from bench.report import machine
 from bench.suite_cli import suite_main
 from kernels import cpu_build
 from pagedkv.heap import frozen_after
@@ -117,6 +118,7 @@ def prefill_seconds(workers: dict, length: int, rounds: int) -> dict:
 
 def run(quick: bool = False) -> dict:
     res: dict = {
+        "machine": machine(),  # the host's model and flags: figures from two hosts never compare
         "threads": torch.get_num_threads(),
         "loadavg_before": open("/proc/loadavg").read().split()[:3],
     }

@@ -44,6 +44,7 @@ import torch
 
 from bench.ceilings import best_seconds, model_gemm_shapes
 from bench.common import decode_steps_lockstep, median, paged_decode_attention, random_decode_layout
+from bench.report import machine
 from kernels import cpu_build
 from worker.cpu_weights import PanelLinear
 from worker.default_model import PRESETS
@@ -260,6 +261,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pagedkv-build-ab-") as tmp:
         ops = build_all(args.defines, args.variant, Path(tmp))
         res = {
+            "machine": machine(),  # the host's model and flags: figures from two hosts never compare
             "variant": next(iter(ops.values())).variant,
             "threads": torch.get_num_threads(),
             "loadavg_before": open("/proc/loadavg").read().split()[:3],
