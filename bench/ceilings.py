@@ -43,14 +43,10 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "page
 PACKING_BATCH_HINT = 64
 
 
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+def cpu_flags() -> frozenset[str]:
+    from kernels.cpu_build import cpu_features  # stdlib only
+
+    return cpu_features()
 
 
 @functools.cache

@@ -13,6 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 from bench.peer import report as peer_report
+from kernels.cpu_build import features_in
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ def commit() -> str:
         return "unknown"
 
 
-# Flags that decide which kernels and ceilings apply (kernels/cpu_build.py's variants).
+# Flags that tell the engines a host has: the kernel variants' (kernels/cpu_build.py) and the
+# matrix / int8 units a figure divides by (AVX-VNNI, AMX-FP16 included).
 FLAGS_OF_NOTE = (
     "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "avx_vnni",
     "amx_tile", "amx_bf16", "amx_int8", "amx_fp16", "asimd", "sve",
@@ -129,7 +131,7 @@ def cpu_identity(cpuinfo: str) -> dict:
             continue
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
-    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    flags = features_in(cpuinfo)
     out = {"flags_of_note": " ".join(f for f in FLAGS_OF_NOTE if f in flags)}
     if "model name" in fields:
         out["cpu"] = fields["model name"]

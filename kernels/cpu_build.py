@@ -260,10 +260,14 @@ def compiler_identity(cc: list[str]) -> str:
 def cpu_features() -> frozenset[str]:
     """This CPU's feature flags, as /proc/cpuinfo names them (empty where it cannot be read)."""
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return features_in(Path("/proc/cpuinfo").read_text())
     except OSError:
         return frozenset()
-    for line in lines:
+
+
+def features_in(cpuinfo: str) -> frozenset[str]:
+    """The first processor's flags (x86) or Features (arm) in /proc/cpuinfo's text."""
+    for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
             return frozenset(value.split())
