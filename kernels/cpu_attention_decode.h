@@ -304,10 +304,9 @@ static ALWAYS_INLINE void attend_impl(
                     const int64_t h0 = c * group + hb, nh = group - hb < GROUP_BATCH ? group - hb : GROUP_BATCH;
                     far_step(&far, k_cache, v_cache, elem, row_stride * elem, 0);
                     if (on_lanes)
-                        keys_on_lanes_probabilities(scores + h0,
-                                                    (SoftmaxState){max_score + h0, denom + h0, rescale + h0},
-                                                    q + h0 * dim, (const char *)k_cache + c * dim * elem, rows, n,
-                                                    dim, nh, scale, dtype);
+                        keys_on_lanes_chunk(scores + h0, (SoftmaxState){max_score + h0, denom + h0, rescale + h0},
+                                            q + h0 * dim, (const char *)k_cache + c * dim * elem, rows, n, dim, nh,
+                                            scale, dtype);
                     else
                         group_scores(scores + h0, q + h0 * dim, (const char *)k_cache + c * dim * elem, rows, n,
                                      dim, nh, scale, key_scales[c], dtype);

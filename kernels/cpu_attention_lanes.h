@@ -143,4 +143,28 @@ static ALWAYS_INLINE void keys_on_lanes_probabilities(float out[][KEY_CHUNK], So
 #undef KOL
 }
 
+/* keys_on_lanes_probabilities out of line, one copy per pool dtype: inlined, its eight unrolled
+ * head counts were copied into every (head_dim, dtype) instance of the decode kernel, which made
+ * cpu_attention_decode.c take ~80 s to compile (a call per chunk and head run costs nothing
+ * measurable next to a chunk's transposes). */
+#define KEYS_ON_LANES_OF(NAME, T)                                                                                 \
+    static OUT_OF_LINE void NAME(float out[][KEY_CHUNK], SoftmaxState st, const float *RESTRICT q,                \
+                                 const void *RESTRICT keys, const int64_t *RESTRICT rows, int64_t n, int64_t dim, \
+                                 int64_t nh, float scale) {                                                        \
+        keys_on_lanes_probabilities(out, st, q, keys, rows, n, dim, nh, scale, T);                                \
+    }
+KEYS_ON_LANES_OF(keys_on_lanes_f32, DT_F32)
+KEYS_ON_LANES_OF(keys_on_lanes_bf16, DT_BF16)
+KEYS_ON_LANES_OF(keys_on_lanes_f16, DT_F16)
+#undef KEYS_ON_LANES_OF
+
+/* The chunk's probabilities through the copy of `dtype` (a constant in each decode instance). */
+static ALWAYS_INLINE void keys_on_lanes_chunk(float out[][KEY_CHUNK], SoftmaxState st, const float *RESTRICT q,
+                                              const void *RESTRICT keys, const int64_t *RESTRICT rows, int64_t n,
+                                              int64_t dim, int64_t nh, float scale, int dtype) {
+    if (dtype == DT_F32) keys_on_lanes_f32(out, st, q, keys, rows, n, dim, nh, scale);
+    else if (dtype == DT_BF16) keys_on_lanes_bf16(out, st, q, keys, rows, n, dim, nh, scale);
+    else keys_on_lanes_f16(out, st, q, keys, rows, n, dim, nh, scale); /* keys_on_lanes_fit: 16-bit */
+}
+
 #endif

@@ -294,7 +294,8 @@ def _run_compiler(command: list[str]) -> subprocess.CompletedProcess:
 
 def _build_library(command: list[str], sources: list[Path], out: str) -> tuple[bool, str]:
     """Compile every source to an object, in parallel (one compiler per core: the attention
-    units take most of a variant's ~30 s alone), then link `out`. (failed, compiler output)."""
+    units take most of a variant's 30-55 s of compiler time), then link `out`. (failed,
+    compiler output)."""
     with tempfile.TemporaryDirectory(prefix="pagedkv-cc-") as objects:
         objs = [os.path.join(objects, f"{src.stem}.o") for src in sources]
         jobs = [[*command, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs, strict=True)]

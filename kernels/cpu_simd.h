@@ -26,6 +26,13 @@
 
 #define RESTRICT __restrict__
 #define ALWAYS_INLINE inline __attribute__((always_inline))
+/* One out-of-line copy, never specialized per constant argument (GCC's cloning would bring back
+ * the copies an out-of-line body exists to avoid). */
+#if defined(__clang__)
+#define OUT_OF_LINE __attribute__((noinline, unused))
+#else
+#define OUT_OF_LINE __attribute__((noinline, noclone, unused))
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));

@@ -33,8 +33,9 @@ def cc():
 
 @pytest.fixture(scope="module")
 def prebuilt(tmp_path_factory):
-    """The module's one gcc build (a variant takes ~50 s): make setup's `prebuild` of a variant the
-    compiler refuses and the generic one. Returns (built names, what it printed, generic.so)."""
+    """The module's one gcc build (a variant takes ~25-30 s on 2 cores): make setup's `prebuild`
+    of a variant the compiler refuses and the generic one. Returns (built names, what it
+    printed, generic.so)."""
     if cpu_build.compiler_command() is None:
         pytest.skip("no C compiler on this machine")
     out = tmp_path_factory.mktemp("prebuilt")
