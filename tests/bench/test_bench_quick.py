@@ -2,12 +2,12 @@
 its report into a temporary directory. Checks that the files and every suite's section exist,
 not the numbers (CI machines are too noisy for performance assertions).
 
-Timing: `python -m bench --quick` takes ~27 s on the 2-core CI VM when it is otherwise idle
-and 43-60 s while other test processes share it (measured). Fixed costs dominate (two
-served stacks started, models loaded); the suites' --quick sizes are already small, and
-shrinking them further saved nothing measurable. The limit below is only a hang guard:
-900 s, over 30x the idle run, so a slow or busy machine never fails this test for being slow
-(the old 270 s limit once did)."""
+Timing: `python -m bench --quick` took ~27 s on the 2-core CI VM with its first suites;
+with 19 suites it took 116 s alone and 112 s inside the test suite on the 2-core AMX VM
+(2026-12-02: cpu_forward 25 s, tensor_parallel's five process groups 27 s, overhead 17 s, the
+other 16 suites 1-6 s each). Fixed costs dominate (served stacks started, models loaded,
+process groups spawned). The limit below is only a hang guard: 900 s, so a slow or busy
+machine never fails this test for being slow (the old 270 s limit once did)."""
 
 from __future__ import annotations
 
