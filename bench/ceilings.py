@@ -37,23 +37,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from kernels.cpu_build import cpu_features
+
 SOURCE = Path(__file__).with_name("ceilings.c")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedkv-bench"
 # The batch-size hint oneDNN packs for: the fast CPU forward's (worker/cpu_forward.py).
 PACKING_BATCH_HINT = 64
 
 
-def cpu_flags() -> frozenset[str]:
-    from kernels.cpu_build import cpu_features  # stdlib only
-
-    return cpu_features()
-
-
 @functools.cache
 def _library() -> ctypes.CDLL:
     """Build (once per source/compiler/CPU) and load bench/ceilings.c."""
     compiler = subprocess.run(["cc", "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + compiler.encode() + " ".join(sorted(cpu_flags())).encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + compiler.encode() + " ".join(sorted(cpu_features())).encode())
     lib = CACHE / f"ceilings-{key.hexdigest()[:12]}.so"
     if not lib.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
@@ -106,7 +102,7 @@ def isa_peak_gflops(threads: int = 2, iters: int = 20_000_000, repeats: int = 3)
     lib = _library()
     sink = ctypes.c_float()
     out = {"fp32": max(lib.ceil_fma_fp32(threads, iters, ctypes.byref(sink)) for _ in range(repeats))}
-    has_bf16 = "avx512_bf16" in cpu_flags()
+    has_bf16 = "avx512_bf16" in cpu_features()
     out["bf16"] = (
         max(lib.ceil_dpbf16(threads, iters, ctypes.byref(sink)) for _ in range(repeats)) if has_bf16 else None
     )
@@ -125,7 +121,7 @@ def matrix_engine() -> str:
     for this process), "avx512_bf16" (vdpbf16ps) or "fma"."""
     from kernels.cpu_build import amx_tile_permission  # stdlib only
 
-    flags = cpu_flags()
+    flags = cpu_features()
     if {"amx_tile", "amx_bf16"} <= flags and amx_tile_permission() is None:
         return "amx"
     return "avx512_bf16" if "avx512_bf16" in flags else "fma"
