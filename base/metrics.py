@@ -146,6 +146,11 @@ class _WorkerCollector:
             "pagedkv_worker_ready", "1 once weights and KV pool are loaded", value=bool(info)
         )
         yield CounterMetricFamily("pagedkv_worker_steps", "plans executed", value=self._servicer.num_steps)
+        yield CounterMetricFamily(
+            "pagedkv_worker_greedy_head_steps",
+            "plans whose tokens all came from the fused LM head + argmax, which writes no logits",
+            value=self._servicer.num_greedy_head_steps,
+        )
         if info is None:
             return
         yield GaugeMetricFamily(

@@ -30,6 +30,9 @@ static inline void pk_amx_config_tiles(void) {
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    /* GCC 12 does not count ldtilecfg as a read of cfg: in a small out-of-line caller it
+     * dropped the stores above as dead, and ldtilecfg faulted on the stack's garbage. */
+    __asm__ volatile("" : : "m"(cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 #else

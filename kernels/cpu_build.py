@@ -182,6 +182,7 @@ SIGNATURES = {
     "silu_mul": (None, (_P, _P, _I64, _I64, _INT)),
     "gather_rows": (None, (_INT, _P, _P, _P, _I64, _I64, _INT)),
     "pk_linear": (_INT, (_INT, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT)),
+    "pk_linear_argmax": (_INT, (_INT, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT)),
     "pk_gather_rows": (None, (_INT, _P, _P, _P, _I64, _I64, _I64, _INT)),
     "pk_mlp": (_INT, (_P, _P, _P, _P, _P, _I64, _I64, _I64, _P, _INT)),
     "pk_mlp_scratch_bytes": (_I64, (_I64, _I64)),

@@ -26,6 +26,7 @@
 
 #include "cpu_gemm.h"
 #include "cpu_gemm_amx.h"
+#include "cpu_lane_argmax.h"
 #include "cpu_simd.h"
 
 #define NR PK_PANEL_COLS /* output columns per panel */
@@ -216,6 +217,7 @@ typedef struct {
     const void *w;      /* panels */
     int64_t m, n, kp;   /* rows, valid columns, K rows of the panels (padded) */
     int accumulate;     /* the first K chunk adds to c too (a decoded chunk after the first) */
+    int64_t c_col;      /* the column of y that c points at: 0, or a panel's (pk_linear_argmax) */
 } Gemm;
 
 /* One tile of rows [row, row + mr) x `span` column groups from `col` of panel p, K rows
@@ -224,7 +226,7 @@ static ALWAYS_INLINE void run_tile(const Gemm *g, int mr, int span, int64_t row,
                                    int64_t kc, Ahead *ah) {
     const int64_t first_col = p * NR + col * 16 * NV;
     int ncols = (int)(g->n - first_col < 16 * NV * span ? g->n - first_col : 16 * NV * span);
-    float *c = g->c + row * g->ldc + first_col;
+    float *c = g->c + row * g->ldc + (first_col - g->c_col);
     const int start = k0 == 0 && !g->accumulate;
     const int64_t panel = p * g->kp * NR + col * 16 * NV; /* element offset of (k = 0, col group) */
     if (g->dtype == DT_F32) {
@@ -329,31 +331,46 @@ static void add_bias(float *y, int64_t ldc, const float *bias, int64_t m, int64_
         for (int64_t j = 0; j < n; ++j) y[r * ldc + j] += bias[j];
 }
 
+/* Panel p's K rows [k_tiles, kp) on the register tiles, every row (of a thread's run of panels
+ * ending at p_end: the prefetch stops there). */
+static void register_panel(const Gemm *g, int64_t p, int64_t p_end, int64_t k_tiles) {
+    const int64_t kc_max = g->dtype == DT_F32 ? KC_F32 : KC_16;
+    const int groups = NR / (16 * NV), step = g->m == 1 ? ROW1_SPAN : 1; /* column groups per tile */
+    for (int64_t k0 = k_tiles; k0 < g->kp; k0 += kc_max) {
+        const int64_t kc = g->kp - k0 < kc_max ? g->kp - k0 : kc_max;
+        Ahead ah = next_chunk(g, p, p_end, k0, kc, kc_max, k_tiles, groups);
+        for (int col = 0; col < groups; col += step)
+            if (p * NR + col * 16 * NV < g->n) run_rows(g, 0, g->m, p, col, k0, kc, &ah);
+    }
+}
+
+/* Threads for g's panels: one unless there are 2+ panels and work enough to split. */
+static int panel_threads(const Gemm *g, int threads) {
+    return (g->n + NR - 1) / NR >= 2 && g->m * g->n * g->kp >= 32768 ? threads : 1;
+}
+
+/* This thread's number and the region's thread count. */
+static void thread_slot(int *t, int *nt) {
+#ifdef _OPENMP
+    *t = omp_get_thread_num(), *nt = omp_get_num_threads();
+#else
+    *t = 0, *nt = 1;
+#endif
+}
+
 /* g's y = x W^T + bias: AMX tiles over K rows [0, k_tiles) (g->a16 rounded for them), the
  * register tiles over the rest (g->a). Threads split the panels. */
 static int run_panels(const Gemm *g, const float *bias, int64_t k_tiles, int threads) {
     const int64_t m = g->m, n = g->n, kp = g->kp, ldc = g->ldc;
     float *y = g->c;
     const int64_t panels = (n + NR - 1) / NR;
-    const int64_t kc_max = g->dtype == DT_F32 ? KC_F32 : KC_16;
-    const int groups = NR / (16 * NV), step = m == 1 ? ROW1_SPAN : 1; /* column groups per tile */
-    const int nthreads = panels >= 2 && m * n * kp >= 32768 ? threads : 1;
-#pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(panel_threads(g, threads))
     {
-#ifdef _OPENMP
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        int t = 0, nt = 1;
-#endif
+        int t, nt;
+        thread_slot(&t, &nt);
         const int64_t p_begin = panels * t / nt, p_end = panels * (t + 1) / nt;
         if (k_tiles) amx_bf16_panels(y, ldc, g->a16, g->lda16, g->w, m, n, kp, k_tiles, p_begin, p_end);
-        for (int64_t p = p_begin; p < p_end; ++p)
-            for (int64_t k0 = k_tiles; k0 < kp; k0 += kc_max) {
-                const int64_t kc = kp - k0 < kc_max ? kp - k0 : kc_max;
-                Ahead ah = next_chunk(g, p, p_end, k0, kc, kc_max, k_tiles, groups);
-                for (int col = 0; col < groups; col += step)
-                    if (p * NR + col * 16 * NV < n) run_rows(g, 0, m, p, col, k0, kc, &ah);
-            }
+        for (int64_t p = p_begin; p < p_end; ++p) register_panel(g, p, p_end, k_tiles);
         if (bias) {
 #pragma omp barrier
             add_bias(y, ldc, bias, m, n);
@@ -367,7 +384,7 @@ static int run_panels(const Gemm *g, const float *bias, int64_t k_tiles, int thr
  * Returns 0, or -1 if a scratch allocation failed. */
 int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, const void *w, const float *bias,
               int64_t m, int64_t n, int64_t k, int64_t kp, int threads) {
-    Gemm g = {dtype, y, ldc, x, lda, NULL, 0, w, m, n, kp, 0};
+    Gemm g = {dtype, y, ldc, x, lda, NULL, 0, w, m, n, kp, 0, 0};
     uint16_t *rounded = NULL;
     /* AMX tiles take the K rows up to the last multiple of 32 (k_tiles); the register tiles below
      * add the rest onto what the tiles stored. */
@@ -387,12 +404,93 @@ int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, con
     return status;
 }
 
+/* One thread's panels [p_begin, p_end) of pk_linear_argmax: each panel's y columns into the
+ * thread's scratch [m, NR] with pk_linear's arithmetic (tiles, the K tail, the bias), then
+ * folded into the rows' lanes. */
+static void argmax_panels(const Gemm *g, const float *bias, int64_t k_tiles, int64_t p_begin, int64_t p_end,
+                          float *scratch, LaneMax *lanes) {
+    const int64_t m = g->m, n = g->n, kp = g->kp;
+    Gemm t = *g;
+    t.c = scratch, t.ldc = NR;
+    lane_max_reset(lanes, m);
+    if (k_tiles) amx_tiles_begin();
+    for (int64_t p = p_begin; p < p_end; ++p) {
+        const int64_t col0 = p * NR, ncols = n - col0 < NR ? n - col0 : NR;
+        t.c_col = col0;
+        if (k_tiles) amx_bf16_panel(scratch, NR, g->a16, g->lda16, g->w, m, ncols, kp, k_tiles, p, p + 1 < p_end);
+        register_panel(&t, p, p_end, k_tiles);
+        if (bias)
+            for (int64_t r = 0; r < m; ++r)
+                for (int64_t j = 0; j < ncols; ++j) scratch[r * NR + j] += bias[col0 + j];
+        lane_max_fold(lanes, scratch, NR, m, col0, n);
+    }
+    if (k_tiles) amx_tiles_end();
+}
+
+/* cpu_gemm.h. The threads split the panels as pk_linear's do; each reduces its rows to a
+ * (value, column) per row, and the merge takes them in thread order (ascending columns), so
+ * ties go to the first column as in one pass. */
+int pk_linear_argmax(int dtype, int64_t *ids, const float *x, int64_t lda, const void *w, const float *bias,
+                     int64_t m, int64_t n, int64_t k, int64_t kp, int threads) {
+    Gemm g = {dtype, NULL, NR, x, lda, NULL, 0, w, m, n, kp, 0, 0};
+    const int64_t k_tiles = PK_HAVE_AMX && dtype == DT_BF16 && m >= AMX_MIN_ROWS ? kp / AMX_K_STEP * AMX_K_STEP : 0;
+    const int64_t panels = (n + NR - 1) / NR;
+    const int nthreads = panel_threads(&g, threads);
+    if (m <= 0) return 0;
+#if !defined(__AVX512BF16__)
+    if (dtype == DT_BF16 && kp != k) return -2; /* odd K: as pk_linear, the caller pads x */
+#endif
+    /* per thread: the panel's y [m, NR] (a multiple of 256 bytes), then the rows' lanes; and a
+     * (value, column) per thread and row */
+    const size_t y_bytes = (size_t)m * NR * sizeof(float), per_thread = y_bytes + (size_t)m * sizeof(LaneMax);
+    char *scratch = aligned_alloc(64, per_thread * (size_t)nthreads);
+    float *values = malloc((size_t)nthreads * (size_t)m * sizeof(float));
+    int32_t *columns = malloc((size_t)nthreads * (size_t)m * sizeof(int32_t));
+    uint16_t *rounded = NULL;
+#if defined(__AVX512BF16__)
+    if (dtype == DT_BF16 && scratch && values && columns) {
+        rounded = round_rows_bf16(x, lda, m, k_tiles ? (m + 31) / 32 * 32 : m, k, kp, threads);
+        g.a16 = rounded, g.lda16 = kp;
+    }
+    const int no_rounding = dtype == DT_BF16 && !rounded;
+#else
+    (void)k;
+    const int no_rounding = 0;
+#endif
+    if (no_rounding || !scratch || !values || !columns) {
+        free(scratch), free(values), free(columns), free(rounded);
+        return -1;
+    }
+    int used = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t, nt;
+        thread_slot(&t, &nt);
+        if (t == 0) used = nt;
+        char *mine = scratch + per_thread * (size_t)t;
+        LaneMax *lanes = (LaneMax *)(mine + y_bytes);
+        argmax_panels(&g, bias, k_tiles, panels * t / nt, panels * (t + 1) / nt, (float *)mine, lanes);
+        for (int64_t r = 0; r < m; ++r) lane_max_reduce(lanes + r, values + t * m + r, columns + t * m + r);
+    }
+    for (int64_t r = 0; r < m; ++r) {
+        float v = values[r];
+        int32_t c = columns[r];
+        for (int t = 1; t < used; ++t) {
+            const int32_t tc = columns[t * m + r];
+            if (tc != LANE_UNSET && (c == LANE_UNSET || better1(values[t * m + r], v))) v = values[t * m + r], c = tc;
+        }
+        ids[r] = c == LANE_UNSET ? 0 : c;
+    }
+    free(scratch), free(values), free(columns), free(rounded);
+    return 0;
+}
+
 /* cpu_gemm.h. Threads split the panels; each decodes its panel's K chunks in turn into its own
  * scratch (KC_16 x 64 bf16: 128 KiB, in L2) and runs every row tile over a chunk before the
  * next, so a chunk is decoded once per call however many rows read it. */
 int pk_linear_decoded(float *y, int64_t ldc, const float *x, int64_t lda, PkChunkDecoder decode, const void *weight,
                       const float *bias, int64_t m, int64_t n, int64_t k, int64_t k_step, int threads) {
-    Gemm g = {DT_BF16, y, ldc, x, lda, NULL, 0, NULL, m, n, k, 0};
+    Gemm g = {DT_BF16, y, ldc, x, lda, NULL, 0, NULL, m, n, k, 0, 0};
     uint16_t *rounded = NULL;
 #if defined(__AVX512BF16__)
     rounded = round_rows_bf16(x, lda, m, m, k, k, threads);
@@ -458,7 +556,7 @@ int pk_mlp(float *y, const float *x, const void *gate_up, const void *down, cons
 #endif
         amx_bf16_gate_up_silu(act, a16, d, gate_up, m, inner, d, gate_panels * t / nt, gate_panels * (t + 1) / nt);
     }
-    Gemm g = {DT_BF16, y, d, NULL, inner, act, inner, down, m, d, inner, 0};
+    Gemm g = {DT_BF16, y, d, NULL, inner, act, inner, down, m, d, inner, 0, 0};
     const int status = run_panels(&g, bias, inner, threads);
     free(a16);
     return status;

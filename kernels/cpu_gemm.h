@@ -10,6 +10,14 @@
 int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, const void *w, const float *bias,
               int64_t m, int64_t n, int64_t k, int64_t kp, int threads);
 
+/* ids[r] = torch.argmax(y[r]) for pk_linear's y (the same values bit for bit: its tiles, K tail
+ * and bias), without writing y: each thread computes one panel at a time into an L1 scratch and
+ * folds it into the rows' running maxima (cpu_lane_argmax.h: the first of equal maxima, the
+ * first NaN). The greedy LM head, whose [rows, vocab] logits nothing else reads. 0, -1 without
+ * scratch memory, -2 for odd K in bf16 where pk_linear refuses it too. */
+int pk_linear_argmax(int dtype, int64_t *ids, const float *x, int64_t lda, const void *w, const float *bias,
+                     int64_t m, int64_t n, int64_t k, int64_t kp, int threads);
+
 /* Writes weight rows [n0, n0 + PK_PANEL_COLS) x k [k0, k0 + kc) as one bf16 panel chunk:
  * element (n0 + j, k0 + i) at chunk[(i / 2) * 2 PK_PANEL_COLS + 2 j + i % 2], zeros for rows
  * past the weight's last. kc is a multiple of pk_linear_decoded's k_step. */

@@ -121,31 +121,47 @@ static inline __attribute__((always_inline)) void tile_steps(const uint16_t *a0,
 }
 
 /* One 32-column half of a panel (b: its first k pair of this K block) x rows [row0, row_end) of
- * the chunk, over K rows [k0, k0 + kc). The half's B block (32 columns x kc) stays in L1 while
- * the rows' A tiles stream past it. */
+ * the chunk, over K rows [k0, k0 + kc). y points at the half's first column; n: y's valid
+ * columns from there. The half's B block (32 columns x kc) stays in L1 while the rows' A tiles
+ * stream past it. */
 static void half_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *b, int64_t m,
-                       int64_t n, int64_t row0, int64_t row_end, int64_t col, int64_t k0, int64_t kc,
-                       NextPanel *np) {
+                       int64_t n, int64_t row0, int64_t row_end, int64_t k0, int64_t kc, NextPanel *np) {
     float tmp[16 * 16];
     const int first = k0 == 0;
     const int64_t a_stride = lda16 * (int64_t)sizeof(uint16_t);
     for (int64_t row = row0; row < row_end; row += 32) {
         const uint16_t *a0 = a16 + row * lda16 + k0, *a1 = a0 + 16 * lda16;
         const int two = m - row > 16; /* a second 16-row half: else 1 x 2 tiles */
-        LOAD_TILE(0, row, col);
-        LOAD_TILE(1, row, col + 16);
+        LOAD_TILE(0, row, 0);
+        LOAD_TILE(1, row, 16);
         if (two) {
-            LOAD_TILE(2, row + 16, col);
-            LOAD_TILE(3, row + 16, col + 16);
+            LOAD_TILE(2, row + 16, 0);
+            LOAD_TILE(3, row + 16, 16);
         }
         tile_steps(a0, a1, a_stride, b, kc, two, np);
         if (two) {
-            STORE_TILE(2, row + 16, col);
-            STORE_TILE(3, row + 16, col + 16);
+            STORE_TILE(2, row + 16, 0);
+            STORE_TILE(3, row + 16, 16);
         }
-        STORE_TILE(0, row, col);
-        STORE_TILE(1, row, col + 16);
+        STORE_TILE(0, row, 0);
+        STORE_TILE(1, row, 16);
     }
+}
+
+/* Both halves of panel p over K rows [k0, k0 + kc) and rows [row0, row_end): y at the panel's
+ * first column, n its valid columns from there. */
+static void panel_block(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                        int64_t n, int64_t kp, int64_t p, int64_t row0, int64_t row_end, int64_t k0, int64_t kc,
+                        NextPanel *np) {
+    for (int half = 0; half < 2 && half * 32 < n; ++half) {
+        const uint16_t *b = w + p * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2 + half * 64;
+        half_panel(y + half * 32, ldc, a16, lda16, b, m, n - half * 32, row0, row_end, k0, kc, np);
+    }
+}
+
+/* k steps of a panel's K block over rows [row0, row_end): 2 halves x row blocks x kc / 32 */
+static int64_t panel_steps(int64_t row0, int64_t row_end, int64_t kc) {
+    return 2 * ((row_end - row0 + 31) / 32) * (kc / 32);
 }
 
 int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
@@ -155,24 +171,38 @@ int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
         const int64_t kc = k32 - k0 < AMX_KC ? k32 - k0 : AMX_KC;
         for (int64_t row0 = 0; row0 < m; row0 += AMX_MC) {
             const int64_t row_end = m - row0 < AMX_MC ? m : row0 + AMX_MC;
-            /* k steps per panel: 2 halves x row blocks x kc / 32; the next panel's K block is
-             * kc * 128 bytes = kc * 2 lines */
-            const int64_t steps = 2 * ((row_end - row0 + 31) / 32) * (kc / 32);
+            /* the next panel's K block is kc * 128 bytes = kc * 2 lines */
+            const int64_t steps = panel_steps(row0, row_end, kc);
             for (int64_t p = p_begin; p < p_end; ++p) {
                 const uint16_t *next = w + (p + 1) * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2;
                 NextPanel np = next_panel(p + 1 < p_end ? next : NULL, kc * 2, steps);
-                for (int half = 0; half < 2; ++half) {
-                    const int64_t col = p * PANEL_COLS + half * 32;
-                    if (col >= n) break;
-                    const uint16_t *b = w + p * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2 + half * 64;
-                    half_panel(y, ldc, a16, lda16, b, m, n, row0, row_end, col, k0, kc, &np);
-                }
+                const int64_t col = p * PANEL_COLS;
+                panel_block(y + col, ldc, a16, lda16, w, m, n - col, kp, p, row0, row_end, k0, kc, &np);
             }
         }
     }
     _tile_release();
     return 0;
 }
+
+void amx_bf16_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                    int64_t n, int64_t kp, int64_t k32, int64_t p, int prefetch_next) {
+    for (int64_t k0 = 0; k0 < k32; k0 += AMX_KC) {
+        const int64_t kc = k32 - k0 < AMX_KC ? k32 - k0 : AMX_KC;
+        for (int64_t row0 = 0; row0 < m; row0 += AMX_MC) {
+            const int64_t row_end = m - row0 < AMX_MC ? m : row0 + AMX_MC;
+            const uint16_t *next = w + (p + 1) * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2;
+            /* the next panel's K block while the first row chunk of this one runs */
+            NextPanel np = next_panel(prefetch_next && row0 == 0 ? next : NULL, kc * 2,
+                                      panel_steps(row0, row_end, kc));
+            panel_block(y, ldc, a16, lda16, w, m, n, kp, p, row0, row_end, k0, kc, &np);
+        }
+    }
+}
+
+void amx_tiles_begin(void) { pk_amx_config_tiles(); }
+
+void amx_tiles_end(void) { _tile_release(); }
 
 /* c [32 x 32] (row stride 32) = 32 rows of a16 from a0 (16 when !two) x the half panel b over
  * k32 K rows, with the tile steps of half_panel in the same order, so each sum equals the bits
@@ -257,4 +287,14 @@ int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
         (void)p_end;
     return -1; /* not an AMX build: pk_linear never calls it there */
 }
+
+void amx_bf16_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                    int64_t n, int64_t kp, int64_t k32, int64_t p, int prefetch_next) {
+    (void)y, (void)ldc, (void)a16, (void)lda16, (void)w, (void)m, (void)n, (void)kp, (void)k32, (void)p,
+        (void)prefetch_next; /* not an AMX build: pk_linear_argmax never calls it there */
+}
+
+void amx_tiles_begin(void) {}
+
+void amx_tiles_end(void) {}
 #endif

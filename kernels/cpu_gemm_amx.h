@@ -28,6 +28,16 @@
 int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
                     int64_t n, int64_t kp, int64_t k32, int64_t p_begin, int64_t p_end);
 
+/* amx_bf16_panels' work for the one panel p, every K block and row chunk of it before the next
+ * panel (the order in which a consumer of each panel's columns can run: pk_linear_argmax), with
+ * the same sums bit for bit. y points at the panel's first column; n: y's valid columns from
+ * there. prefetch_next: pull panel p + 1 into L2 meanwhile. The calling thread brackets its
+ * panels with amx_tiles_begin / amx_tiles_end (the tile configuration, then its release). */
+void amx_bf16_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                    int64_t n, int64_t kp, int64_t k32, int64_t p, int prefetch_next);
+void amx_tiles_begin(void);
+void amx_tiles_end(void);
+
 /* Rows from which one pass over gate/up + SiLU (pk_mlp) beats the three kernels (0.5B MLP, 24
  * layers whose weights are not cache-resident, 2 threads, three kernels / fused time: 0.91x at
  * 64 rows, 1.03x at 128, 1.07-1.08x at 256, 1.10-1.14x at 512; docs/PERF.md). Under it a step

@@ -244,6 +244,14 @@ class FastCpuForward:
         self._logits, out = reused_rows(self._logits, hidden.shape[0], self.lm_head.out_features)
         return self.lm_head(hidden, out=out)
 
+    def greedy_ids(self, hidden: Tensor) -> Tensor | None:
+        """The argmax of each row's logits, computed without writing them (pk_linear_argmax: at
+        batch 64 the 151,936-column logits are a 39 MB write and read a step), or None where the
+        LM head is not a panel linear (an int8 or GGUF head): the caller computes logits."""
+        if not isinstance(self.lm_head, PanelLinear):
+            return None
+        return self.lm_head.argmax(hidden)
+
     def lse_topk(self, x: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
         """worker.sampler.LseTopk: each row's logsumexp and its k largest logits' ids and
         log-probabilities, in one kernel call (no [rows, vocab] log-softmax is written)."""

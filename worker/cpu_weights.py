@@ -82,6 +82,22 @@ class PanelLinear:
             raise MemoryError(f"pk_linear failed ({status}): no memory for its scratch rows")
         return y
 
+    def argmax(self, x: Tensor) -> Tensor:
+        """torch.argmax(self(x), dim=-1) (int64 [rows]) from the same values bit for bit, without
+        writing them: a greedy LM head's [rows, vocab] logits, which nothing else reads."""
+        if self.k_pad != self.in_features:
+            x = torch.nn.functional.pad(x, (0, self.k_pad - self.in_features))
+        x = x.contiguous()
+        ids = torch.empty(x.shape[0], dtype=torch.int64)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        status = self.ops.pk_linear_argmax(
+            self.code, ids.data_ptr(), x.data_ptr(), self.k_pad, self.panels.data_ptr(), bias,
+            x.shape[0], self.out_features, self.k_pad, self.k_pad, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError(f"pk_linear_argmax failed ({status}): no memory for its scratch")
+        return ids
+
     def gather_rows(self, ids: Tensor) -> Tensor:
         """Rows W[ids] as fp32 [len(ids), K]: the embedding lookup of a tied lm_head."""
         out = torch.empty(ids.shape[0], self.in_features)

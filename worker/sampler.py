@@ -112,6 +112,29 @@ LseTopk = Callable[[Tensor, int], tuple[Tensor, Tensor, Tensor]]
 RowArgmax = Callable[[Tensor], Tensor]
 
 
+def picks_raw_argmax(row: SamplingRow) -> bool:
+    """Whether the row's token is the argmax of its raw logits and nothing else is read from
+    them: greedy, no shaping, no logprobs, no beam, no grammar. A step of only such rows may
+    take its tokens from a fused LM head + argmax (FastCpuForward.greedy_ids) that never writes
+    the logits; `argmax_samples` gives what `Sampler.sample` would."""
+    params = row.params
+    return (
+        params.temperature <= 0
+        and not params.shapes_logits
+        and not params.logprobs
+        and not params.top_logprobs
+        and not row.num_candidates
+        and row.grammar is None
+    )
+
+
+def argmax_samples(ids: Tensor, rows: Sequence[SamplingRow]) -> list[SampledTokens]:
+    """Sampler.sample's result for rows that all pick their raw argmax (`picks_raw_argmax`):
+    every sample of a row is its argmax id."""
+    tokens = ids.tolist()
+    return [SampledTokens([token] * row.num_samples, None) for token, row in zip(tokens, rows, strict=True)]
+
+
 class Sampler:
     def __init__(
         self,

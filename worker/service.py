@@ -108,6 +108,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if worker is not None:
             self._set_worker(worker)
 
+    @property
+    def num_greedy_head_steps(self) -> int:
+        """The worker's plans whose tokens came from its fused greedy head (0 for workers without
+        one: a tensor-parallel group, a reference forward)."""
+        return getattr(self._worker, "greedy_head_steps", 0)
+
     # -- lifecycle --------------------------------------------------------------------------
     def attach_health(self, health_servicer) -> None:
         self._health = health_servicer

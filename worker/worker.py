@@ -43,7 +43,7 @@ from worker.model import CausalLM
 from worker.plan_validation import PlanLimits, validate_plan
 from worker.profile_workload import profiled_kv_bytes
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
-from worker.sampler import Sampler
+from worker.sampler import Sampler, argmax_samples, picks_raw_argmax
 from worker.sequence_mirror import SequenceMirrors
 from worker.speculative_verify import sequence_outputs
 from worker.step_work import apply_plan
@@ -149,6 +149,7 @@ class Worker:
         fast = self.fast_forward
         row_kernels = (None, None) if fast is None else (fast.lse_topk, fast.argmax)
         self.sampler = Sampler(config.seed, self.model_config.eos_token_ids, *row_kernels)
+        self.greedy_head_steps = 0  # steps whose tokens came from the fused greedy head (metrics)
         self.lora = LoraRuntime(self, config.max_loras, config.max_lora_rank)
         for name, path in config.loras:
             self.lora.load(name, path)
@@ -200,14 +201,17 @@ class Worker:
                 hidden = self.decode_graphs.forward(work.scheduled)
                 if self.shard is not None:  # a replay's collectives: bounded by the step timeout
                     self.shard.replayed()
-                logits = self.model.compute_logits(hidden)
+                logits, greedy = self.model.compute_logits(hidden), None
             else:
-                logits, prompt_out = self._forward(work, keep_logits)
-            grammars = [row.grammar for row in work.rows if row.grammar is not None]
-            bitmask = self.grammars.fill(grammars) if grammars else None
-            samples = self.sampler.sample(logits, work.rows, bitmask)
-            if work.drafts:
-                samples = self.draft.accept(work, logits, samples)
+                logits, prompt_out, greedy = self._forward(work, keep_logits)
+            if greedy is not None:  # every row's token is its argmax, from the fused greedy head
+                samples = argmax_samples(greedy, work.rows)
+            else:
+                grammars = [row.grammar for row in work.rows if row.grammar is not None]
+                bitmask = self.grammars.fill(grammars) if grammars else None
+                samples = self.sampler.sample(logits, work.rows, bitmask)
+                if work.drafts:
+                    samples = self.draft.accept(work, logits, samples)
         mirrors = self.mirrors
         fully_accepted = []
         outputs = []
@@ -232,11 +236,13 @@ class Worker:
         elapsed = time.perf_counter() - started
         return StepResult(plan.step_id, outputs, elapsed, prompt_out), logits
 
-    def _forward(self, work, keep_logits: bool) -> tuple[Tensor, list]:
-        """Logits of the sampling rows, and the prompt logprobs the step asks for: one forward
-        that keeps the hidden states of both kinds of rows (the last layer runs only them).
-        keep_logits False: the fast forward writes the sampling rows' logits into its reused
-        buffer (prompt logprobs, computed while those are alive, always get new tensors)."""
+    def _forward(self, work, keep_logits: bool) -> tuple[Tensor, list, Tensor | None]:
+        """Logits of the sampling rows, the prompt logprobs the step asks for, and None: one
+        forward that keeps the hidden states of both kinds of rows (the last layer runs only
+        them). keep_logits False: the fast forward writes the sampling rows' logits into its
+        reused buffer (prompt logprobs, computed while those are alive, always get new tensors);
+        and where every row picks its raw argmax, the tokens come from the fused greedy head
+        instead: (an empty [0, vocab] tensor, [], the ids)."""
         inputs = build_model_inputs(
             work.scheduled, self.kv_cache.addressing_block_size, self.device, table=self.persistent_table
         )
@@ -249,7 +255,10 @@ class Worker:
         if not keep_logits and self.fast_forward is not None:
             sample_logits = partial(self.fast_forward.compute_logits, reuse=True)
         if not extra:
-            return sample_logits(hidden), []
+            greedy = None if keep_logits else self._greedy_ids(work, hidden)
+            if greedy is not None:
+                return torch.empty(0, self.model_config.vocab_size), [], greedy
+            return sample_logits(hidden), [], None
         where = {row: i for i, row in enumerate(rows)}
 
         def pick(flat_rows: list[int]) -> Tensor:
@@ -257,7 +266,19 @@ class Worker:
                 torch.tensor([where[r] for r in flat_rows], dtype=torch.int64, device=hidden.device)
             ]
 
-        return sample_logits(pick(sample_rows)), compute_prompt_logprobs(pick, compute_logits, work.prompt)
+        logits = sample_logits(pick(sample_rows))  # first: prompt logprobs run while it is alive
+        return logits, compute_prompt_logprobs(pick, compute_logits, work.prompt), None
+
+    def _greedy_ids(self, work, hidden: Tensor) -> Tensor | None:
+        """Each row's argmax from the fast forward's fused greedy head, when every row picks its
+        raw argmax and no draft reads the logits; else None (the logits are computed)."""
+        fast = self.fast_forward
+        if fast is None or self.draft is not None or not all(picks_raw_argmax(r) for r in work.rows):
+            return None
+        ids = fast.greedy_ids(hidden)
+        if ids is not None:
+            self.greedy_head_steps += 1
+        return ids
 
     def _hidden(self, work, inputs, rows: list[int], lora) -> tuple[Tensor, object]:
         """The final-norm hidden states of `rows`, and the logits function that takes them."""

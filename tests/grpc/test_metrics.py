@@ -163,6 +163,7 @@ def test_worker_metrics(stack, metrics):
     assert m["pagedkv_worker_kv_blocks"] == 64
     assert m["pagedkv_worker_kv_cache_bytes"] > 0
     assert m["pagedkv_worker_steps_total"] == MAX_TOKENS + 1  # incl. the finishing step
+    assert m["pagedkv_worker_greedy_head_steps_total"] == 0  # the scripted worker has no fused head
     assert m["pagedkv_worker_execute_duration_seconds_count"] == MAX_TOKENS + 1
     # The finishing step only drops the mirror: no forward to time.
     assert m["pagedkv_worker_forward_duration_seconds_count"] == MAX_TOKENS

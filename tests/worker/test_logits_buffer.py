@@ -9,23 +9,9 @@ from __future__ import annotations
 import torch
 
 from base.sampling import SamplingParams
-from tests.worker.worker_test_utils import PlanDriver, make_worker
+from tests.worker.worker_test_utils import ExecuteOnly, PlanDriver, make_worker
 
 WITH_LOGPROBS = SamplingParams(temperature=0.0, logprobs=3, prompt_logprobs=2)
-
-
-class ExecuteOnly:
-    """A worker seen through `execute` alone: the PlanDriver gets placeholder logits rows."""
-
-    def __init__(self, worker) -> None:
-        self.worker = worker
-
-    def describe(self):
-        return self.worker.describe()
-
-    def execute_with_logits(self, plan):
-        result = self.worker.execute(plan)
-        return result, torch.zeros(len(result.outputs), 1)
 
 
 def _drive(driver: PlanDriver) -> list:
@@ -56,7 +42,10 @@ def test_execute_reuses_one_logits_buffer_and_matches_execute_with_logits(checkp
 
     reuser.fast_forward.compute_logits = spy
     assert _drive(PlanDriver(ExecuteOnly(reuser))) == want
-    # step 1 samples one row (seq 1 is mid-prompt), then two: the buffer grows once, then stays
-    assert len(buffers) == 6 and len(set(buffers[1:])) == 1, "every later step wrote the one buffer"
+    # step 1 samples seq 2 alone (seq 1 is mid-prompt): a plain greedy row, whose token the fused
+    # greedy head gives without logits; every later step samples seq 1 too, which asks logprobs,
+    # and writes its two rows into the one buffer
+    assert reuser.greedy_head_steps == 1
+    assert len(buffers) == 5 and len(set(buffers)) == 1, "every logits step wrote the one buffer"
     assert keeper.fast_forward._logits.numel() == 0, "execute_with_logits never touched the buffer"
     assert all(torch.equal(a, b) for a, b in zip(first_rows, kept_driver.seqs[2].logits, strict=True))

@@ -171,6 +171,21 @@ class DrivenSequence:
     adapter: str = ""  # NewSequence.adapter: a LoRA adapter id the worker has loaded
 
 
+class ExecuteOnly:
+    """A worker seen through `execute` alone (the serving path: logits it may never write), for
+    a PlanDriver, which gets placeholder logits rows."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+
+    def describe(self):
+        return self.worker.describe()
+
+    def execute_with_logits(self, plan):
+        result = self.worker.execute(plan)
+        return result, torch.zeros(len(result.outputs), 1)
+
+
 class PlanDriver:
     """Builds plans for a Worker the way a control plane would, minus the scheduling policy."""
 

@@ -47,6 +47,11 @@ class ShardedCpuForward(FastCpuForward):
         self.group.all_reduce(x)
         return x
 
+    def greedy_ids(self, hidden: Tensor) -> Tensor | None:
+        """None: each rank holds a slice of the vocabulary, so the argmax needs the gathered
+        logits (compute_logits)."""
+        return None
+
     def compute_logits(self, hidden: Tensor, reuse: bool = False) -> Tensor:
         """The whole vocabulary's fp32 logits [rows, vocab]. reuse: the rank's slice and the
         gathered rows go into this forward's two buffers, valid until the next reuse call (as

@@ -1,0 +1,69 @@
+/* Row argmax folded in as a row's columns are produced, panel by panel, so a greedy LM head
+ * never writes its [rows, vocab] logits (cpu_gemm.c pk_linear_argmax). torch.argmax's rules,
+ * as cpu_sampling.c's row_argmax: the first of equal maxima, and a NaN beats every number (the
+ * first NaN wins).
+ *
+ * Each row keeps VN lanes: lane l holds the best value among the row's columns seen so far at
+ * positions = l (mod VN) and the first column holding it. Columns arrive in ascending order
+ * and a lane takes a value only when strictly better, so each lane keeps its first occurrence;
+ * the row's answer is then the best lane, ties to the smallest column. */
+#ifndef PAGEDKV_CPU_LANE_ARGMAX_H
+#define PAGEDKV_CPU_LANE_ARGMAX_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "cpu_simd.h"
+
+#define LANE_UNSET INT32_MAX /* a lane that has seen no column yet */
+
+typedef struct {
+    vn best;
+    vni col;
+} LaneMax;
+
+static inline void lane_max_reset(LaneMax *lanes, int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r) {
+        lanes[r].best = splatn(-INFINITY);
+        lanes[r].col = (vni){0} + LANE_UNSET;
+    }
+}
+
+/* Strictly better under torch.argmax's order: larger, or a NaN over a number. */
+static ALWAYS_INLINE int better1(float v, float best) { return v > best || (v != v && best == best); }
+
+/* rows x 64 values (row stride ld) of columns col0.. (only those < n count) into the lanes. */
+static inline void lane_max_fold(LaneMax *lanes, const float *y, int64_t ld, int64_t rows, int64_t col0,
+                                 int64_t n) {
+    vni iota;
+    for (int i = 0; i < VN; ++i) iota[i] = i;
+    for (int64_t r = 0; r < rows; ++r) {
+        vn best = lanes[r].best;
+        vni col = lanes[r].col;
+        for (int j = 0; j < 64; j += VN) {
+            const vn v = loadn(y + r * ld + j);
+            const vni cols = iota + (int32_t)(col0 + j);
+            const vni take = ((v > best) | ((v != v) & (best == best)) | (col == LANE_UNSET)) & (cols < (int32_t)n);
+            best = selectn(take, v, best);
+            col = (take & cols) | (~take & col);
+        }
+        lanes[r].best = best, lanes[r].col = col;
+    }
+}
+
+/* A row's (value, column) from its lanes: the best value, ties to the smallest column; column
+ * LANE_UNSET when no lane saw one. */
+static inline void lane_max_reduce(const LaneMax *lane, float *value, int32_t *column) {
+    float v = -INFINITY;
+    int32_t c = LANE_UNSET;
+    for (int i = 0; i < VN; ++i) {
+        const float x = lane->best[i];
+        const int32_t xc = lane->col[i];
+        if (xc == LANE_UNSET) continue;
+        const int same = x == v || (x != x && v != v);
+        if (c == LANE_UNSET || better1(x, v) || (same && xc < c)) v = x, c = xc;
+    }
+    *value = v, *column = c;
+}
+
+#endif
