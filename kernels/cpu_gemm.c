@@ -427,9 +427,8 @@ static void argmax_panels(const Gemm *g, const float *bias, int64_t k_tiles, int
     if (k_tiles) amx_tiles_end();
 }
 
-/* cpu_gemm.h. The threads split the panels as pk_linear's do; each reduces its rows to a
- * (value, column) per row, and the merge takes them in thread order (ascending columns), so
- * ties go to the first column as in one pass. */
+/* cpu_gemm.h. The threads split the panels as pk_linear's do and keep their own lanes; the
+ * merge then takes every thread's lanes (ties to the smallest column, as in one pass). */
 int pk_linear_argmax(int dtype, int64_t *ids, const float *x, int64_t lda, const void *w, const float *bias,
                      int64_t m, int64_t n, int64_t k, int64_t kp, int threads) {
     Gemm g = {dtype, NULL, NR, x, lda, NULL, 0, w, m, n, kp, 0, 0};
@@ -440,15 +439,12 @@ int pk_linear_argmax(int dtype, int64_t *ids, const float *x, int64_t lda, const
 #if !defined(__AVX512BF16__)
     if (dtype == DT_BF16 && kp != k) return -2; /* odd K: as pk_linear, the caller pads x */
 #endif
-    /* per thread: the panel's y [m, NR] (a multiple of 256 bytes), then the rows' lanes; and a
-     * (value, column) per thread and row */
+    /* per thread: the panel's y [m, NR] (a multiple of 256 bytes), then the rows' lanes */
     const size_t y_bytes = (size_t)m * NR * sizeof(float), per_thread = y_bytes + (size_t)m * sizeof(LaneMax);
     char *scratch = aligned_alloc(64, per_thread * (size_t)nthreads);
-    float *values = malloc((size_t)nthreads * (size_t)m * sizeof(float));
-    int32_t *columns = malloc((size_t)nthreads * (size_t)m * sizeof(int32_t));
     uint16_t *rounded = NULL;
 #if defined(__AVX512BF16__)
-    if (dtype == DT_BF16 && scratch && values && columns) {
+    if (dtype == DT_BF16 && scratch) {
         rounded = round_rows_bf16(x, lda, m, k_tiles ? (m + 31) / 32 * 32 : m, k, kp, threads);
         g.a16 = rounded, g.lda16 = kp;
     }
@@ -457,8 +453,8 @@ int pk_linear_argmax(int dtype, int64_t *ids, const float *x, int64_t lda, const
     (void)k;
     const int no_rounding = 0;
 #endif
-    if (no_rounding || !scratch || !values || !columns) {
-        free(scratch), free(values), free(columns), free(rounded);
+    if (no_rounding || !scratch) {
+        free(scratch), free(rounded);
         return -1;
     }
     int used = 1;
@@ -468,20 +464,17 @@ int pk_linear_argmax(int dtype, int64_t *ids, const float *x, int64_t lda, const
         thread_slot(&t, &nt);
         if (t == 0) used = nt;
         char *mine = scratch + per_thread * (size_t)t;
-        LaneMax *lanes = (LaneMax *)(mine + y_bytes);
-        argmax_panels(&g, bias, k_tiles, panels * t / nt, panels * (t + 1) / nt, (float *)mine, lanes);
-        for (int64_t r = 0; r < m; ++r) lane_max_reduce(lanes + r, values + t * m + r, columns + t * m + r);
+        argmax_panels(&g, bias, k_tiles, panels * t / nt, panels * (t + 1) / nt, (float *)mine,
+                      (LaneMax *)(mine + y_bytes));
     }
     for (int64_t r = 0; r < m; ++r) {
-        float v = values[r];
-        int32_t c = columns[r];
-        for (int t = 1; t < used; ++t) {
-            const int32_t tc = columns[t * m + r];
-            if (tc != LANE_UNSET && (c == LANE_UNSET || better1(values[t * m + r], v))) v = values[t * m + r], c = tc;
-        }
+        float v = -INFINITY;
+        int32_t c = LANE_UNSET;
+        for (int t = 0; t < used; ++t)
+            lane_max_merge((const LaneMax *)(scratch + per_thread * (size_t)t + y_bytes) + r, &v, &c);
         ids[r] = c == LANE_UNSET ? 0 : c;
     }
-    free(scratch), free(values), free(columns), free(rounded);
+    free(scratch), free(rounded);
     return 0;
 }
 

@@ -51,11 +51,12 @@ static inline void lane_max_fold(LaneMax *lanes, const float *y, int64_t ld, int
     }
 }
 
-/* A row's (value, column) from its lanes: the best value, ties to the smallest column; column
- * LANE_UNSET when no lane saw one. */
-static inline void lane_max_reduce(const LaneMax *lane, float *value, int32_t *column) {
-    float v = -INFINITY;
-    int32_t c = LANE_UNSET;
+/* Merges a row's lanes into a running (value, column), which starts at (-inf, LANE_UNSET): the
+ * best value, ties to the smallest column, so lanes of disjoint column ranges (threads') merge
+ * in any order. The column stays LANE_UNSET while no lane saw one. */
+static inline void lane_max_merge(const LaneMax *lane, float *value, int32_t *column) {
+    float v = *value;
+    int32_t c = *column;
     for (int i = 0; i < VN; ++i) {
         const float x = lane->best[i];
         const int32_t xc = lane->col[i];
