@@ -69,10 +69,8 @@ class PanelLinear:
     def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """y = x W^T + b, fp32 [rows, out_features]; `out`: a contiguous buffer of that shape to
         write instead of a new tensor."""
-        if self.k_pad != self.in_features:  # odd K in bf16: x gets the panels' zero column too
-            x = torch.nn.functional.pad(x, (0, self.k_pad - self.in_features))
-        x = x.contiguous()
-        rows, bias = x.shape[0], None if self.bias is None else self.bias.data_ptr()
+        x, bias = self._operands(x)
+        rows = x.shape[0]
         y = x.new_empty(rows, self.out_features) if out is None else out
         status = self.ops.pk_linear(
             self.code, y.data_ptr(), self.out_features, x.data_ptr(), self.k_pad, self.panels.data_ptr(),
@@ -85,11 +83,8 @@ class PanelLinear:
     def argmax(self, x: Tensor) -> Tensor:
         """torch.argmax(self(x), dim=-1) (int64 [rows]) from the same values bit for bit, without
         writing them: a greedy LM head's [rows, vocab] logits, which nothing else reads."""
-        if self.k_pad != self.in_features:
-            x = torch.nn.functional.pad(x, (0, self.k_pad - self.in_features))
-        x = x.contiguous()
+        x, bias = self._operands(x)
         ids = torch.empty(x.shape[0], dtype=torch.int64)
-        bias = None if self.bias is None else self.bias.data_ptr()
         status = self.ops.pk_linear_argmax(
             self.code, ids.data_ptr(), x.data_ptr(), self.k_pad, self.panels.data_ptr(), bias,
             x.shape[0], self.out_features, self.k_pad, self.k_pad, torch.get_num_threads(),
@@ -97,6 +92,13 @@ class PanelLinear:
         if status != 0:
             raise MemoryError(f"pk_linear_argmax failed ({status}): no memory for its scratch")
         return ids
+
+    def _operands(self, x: Tensor) -> tuple[Tensor, int | None]:
+        """x as the kernels read it (contiguous; odd K in bf16 gets the panels' zero column too)
+        and the bias pointer (None: no bias)."""
+        if self.k_pad != self.in_features:
+            x = torch.nn.functional.pad(x, (0, self.k_pad - self.in_features))
+        return x.contiguous(), None if self.bias is None else self.bias.data_ptr()
 
     def gather_rows(self, ids: Tensor) -> Tensor:
         """Rows W[ids] as fp32 [len(ids), K]: the embedding lookup of a tied lm_head."""
