@@ -12,6 +12,8 @@ group does (shared memory on one host, worker/tp/shm.py; `tp2_transport` says wh
 "tp2_gloo" is forced onto gloo (PAGEDKV_TP_TRANSPORT=gloo).
 
 Runs alternate TP=1 / TP=2 / TP=2 on gloo in separate processes (each group owns the cores while it runs).
+Each TP=2 group times its collectives alone (both ranks ready, no compute) before it loads the
+model: the `*_all_reduce_us_*` / `*_all_gather_us_*` figures, medians over the rounds.
 Run: `python -m bench.tensor_parallel [--quick]` (another model: PAGEDKV_TP_BENCH_MODEL).
 """
 
@@ -41,13 +43,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _group(size: int, threads: int, transport: str, steps: int, model: str = MODEL, batches=BATCHES) -> dict:
+def _group(size: int, threads: int, transport: str, steps: int, repeats: int, batches=BATCHES) -> dict:
     init = f"tcp://127.0.0.1:{_free_port()}"
     env = {**os.environ, TRANSPORT_ENV: transport}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "figures.json"
         cmd = [sys.executable, "-m", "bench.tp_ranks"]
-        args = [str(size), init, str(threads), model, str(steps), str(out), *map(str, batches)]
+        args = [str(size), init, str(threads), MODEL, str(steps), str(repeats), str(out), *map(str, batches)]
         procs = [subprocess.Popen([*cmd, str(rank), *args], env=env) for rank in range(size)]
         codes = [p.wait(RANK_TIMEOUT_S) for p in procs]
         if codes != [0] * size:
@@ -57,6 +59,7 @@ def _group(size: int, threads: int, transport: str, steps: int, model: str = MOD
 
 def run(quick: bool = False) -> dict:
     steps, rounds, batches = (3, 1, (1,)) if quick else (12, 2, BATCHES)
+    repeats = 50 if quick else 400  # each collective, timed alone in every TP=2 group
     cores = max(2, len(os.sched_getaffinity(0)))
     # TP=1 twice: with every core (what one worker gets) and with one thread (a rank's share)
     plan = {"tp1": (1, cores, "auto"), "tp1_1thread": (1, 1, "auto"), "tp2": (2, cores // 2, "auto"),
@@ -66,11 +69,9 @@ def run(quick: bool = False) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in plan}
     for r in range(rounds):
         for name in plan if r % 2 == 0 else reversed(plan):
-            runs[name].append(_group(*plan[name], steps, batches=batches))
+            runs[name].append(_group(*plan[name], steps, repeats, batches=batches))
     figures = {"model": MODEL, "cores": cores, "load_avg_start": os.getloadavg()[0]}
     for tp2 in ("tp2", "tp2_gloo"):
-        alone = _group(2, 1, plan[tp2][2], 50 if quick else 400, "collectives")
-        figures |= {f"{tp2}_{k}": v for k, v in alone.items()}
         for key in runs[tp2][0]:
             if not key.startswith("wall"):
                 pick = (lambda v: v[0]) if key == "transport" else median

@@ -1,9 +1,11 @@
 """One rank of bench/tensor_parallel.py's groups, as its own process:
-`python -m bench.tp_ranks RANK SIZE INIT_METHOD THREADS MODEL STEPS OUT [BATCH...]`.
+`python -m bench.tp_ranks RANK SIZE INIT_METHOD THREADS MODEL STEPS REPEATS OUT [BATCH...]`.
 
 Rank 0 times decode steps at each BATCH (default 1 and 64) (bench.common.decode_step_seconds: scheduler-made
 plans, only the worker's execute timed) and what the group's communication cost within them;
-SIZE 1 is the single worker. The others follow until told to stop."""
+SIZE 1 is the single worker. The others follow until told to stop. A group of 2+ first times its
+collectives alone, REPEATS times each, before any model is loaded (no compute to wait for), so
+the same processes give both figures instead of a second group started for the collectives."""
 
 from __future__ import annotations
 
@@ -68,23 +70,22 @@ def _collective_latency(group: TPGroup, hidden: int, repeats: int) -> dict:
     return figures
 
 
-def main(rank: int, size: int, init: str, threads: int, model: str, steps: int, out: str, batches) -> int:
+def main(
+    rank: int, size: int, init: str, threads: int, model: str, steps: int, repeats: int, out: str, batches
+) -> int:
     torch.set_num_threads(threads)
     if size == 1:
         figures = _time(Worker(_config(model)), None, steps, batches)
     else:
         group = TPGroup(rank, size, init, torch.device("cpu"), step_timeout_s=600.0)
         try:
-            if model == "collectives":  # no model: the collectives' own cost
-                figures = _collective_latency(group, 896, steps)
-            else:
-                worker = rank_worker(_config(model), group)
-                if rank != 0:
-                    return follow(worker, group)
-                leader = GroupLeader(worker, group)
-                figures = _time(leader, group, steps, batches)
-                leader.stop()
-            figures["transport"] = group.transport
+            alone = _collective_latency(group, 896, repeats)  # before the model: their own cost
+            worker = rank_worker(_config(model), group)
+            if rank != 0:
+                return follow(worker, group)
+            leader = GroupLeader(worker, group)
+            figures = {**alone, **_time(leader, group, steps, batches), "transport": group.transport}
+            leader.stop()
         finally:
             # Every rank leaves together (none tears its connections down while a peer is still
             # in a collective); close() then joins gloo's threads before the interpreter ends.
@@ -98,7 +99,6 @@ def main(rank: int, size: int, init: str, threads: int, model: str, steps: int, 
 
 
 if __name__ == "__main__":
-    r, n, init, threads, model, steps, out, *sizes = sys.argv[1:]
-    sys.exit(
-        main(int(r), int(n), init, int(threads), model, int(steps), out, [int(b) for b in sizes] or BATCHES)
-    )
+    r, n, init, threads, model, steps, repeats, out, *sizes = sys.argv[1:]
+    batches = [int(b) for b in sizes] or BATCHES
+    sys.exit(main(int(r), int(n), init, int(threads), model, int(steps), int(repeats), out, batches))

@@ -5,7 +5,8 @@ not the numbers (CI machines are too noisy for performance assertions).
 Timing: `python -m bench --quick` took ~27 s on the 2-core CI VM with its first suites;
 with 19 suites it took 116 s alone and 112 s inside the test suite on the 2-core AMX VM
 (2026-12-02: cpu_forward 25 s, tensor_parallel's five process groups 27 s, overhead 17 s, the
-other 16 suites 1-6 s each). Fixed costs dominate (served stacks started, models loaded,
+other 16 suites 1-6 s each); 102 s once tensor_parallel timed its collectives inside its three
+timed groups instead of two more (17 s). Fixed costs dominate (served stacks started, models loaded,
 process groups spawned). The limit below is only a hang guard: 900 s, so a slow or busy
 machine never fails this test for being slow (the old 270 s limit once did)."""
 

@@ -31,17 +31,31 @@ def cc():
     return found
 
 
+def unoptimized(launcher: Path, compiler: str, log: Path | None = None) -> str:
+    """A CC command (a launcher script, as ccache is one) that runs `compiler` with -O0 last,
+    so it wins over the variant's -O2: the generic build takes ~8 s instead of ~26 s on 2
+    cores. The tests using it check where a library goes, its key and what loads it, not the
+    code gcc makes (the kernel tests run make setup's optimized libraries). `log`: each
+    command line, as the launcher received it, appended there."""
+    record = f'echo "$@" >> {log}\n' if log else ""
+    launcher.write_text(f'#!/bin/sh\n{record}exec "$@" -O0\n')
+    launcher.chmod(0o755)
+    return f"{launcher} {compiler}"
+
+
 @pytest.fixture(scope="module")
 def prebuilt(tmp_path_factory):
-    """The module's one gcc build (a variant takes ~25-30 s on 2 cores): make setup's `prebuild`
-    of a variant the compiler refuses and the generic one. Returns (built names, what it
-    printed, generic.so)."""
-    if cpu_build.compiler_command() is None:
+    """The module's one gcc build: make setup's `prebuild` of a variant the compiler refuses and
+    the generic one (unoptimized: see `unoptimized`). Returns (built names, what it printed,
+    generic.so)."""
+    cc = cpu_build.compiler_command()
+    if cc is None:
         pytest.skip("no C compiler on this machine")
     out = tmp_path_factory.mktemp("prebuilt")
     refused = cpu_build.Variant("refused", ("-mno-such-option-anywhere",), frozenset())
     printed = io.StringIO()
-    with contextlib.redirect_stderr(printed):
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(printed):
+        mp.setenv("CC", unoptimized(out.parent / "launch-O0", cc[0]))
         built = cpu_build.prebuild(out, variants=[refused, GENERIC])
     return built, printed.getvalue(), out / "generic.so"
 
@@ -217,11 +231,9 @@ def test_prebuilt_wins_then_a_start_time_build_then_the_cache(monkeypatch, tmp_p
     """The start-time build runs through CC="launcher gcc -m64": a launcher (standing in for
     ccache), a compiler and a flag are a command, not a file name."""
     monkeypatch.setenv(cpu_build.VARIANT_ENV, "generic")
-    launcher, calls = tmp_path / "launch", tmp_path / "launch.log"
-    launcher.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec "$@"\n')
-    launcher.chmod(0o755)
+    calls = tmp_path / "launch.log"
     flag = "-m64" if os.uname().machine == "x86_64" else "-O2"
-    monkeypatch.setenv("CC", f"{launcher} {cc[0]} {flag}")
+    monkeypatch.setenv("CC", f"{unoptimized(tmp_path / 'launch', cc[0], calls)} {flag}")
     prebuilt, cache = tmp_path / "prebuilt", tmp_path / "cache"
     prebuilt.mkdir()
     for suffix in (".so", ".json"):
