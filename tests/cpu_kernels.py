@@ -43,3 +43,15 @@ def variant_ops(tmp_dir: Path) -> dict[str, cpu_build.CpuOps]:
     if not out:
         unavailable("no variant could be loaded or built")
     return out
+
+
+def unoptimized(launcher: Path, compiler: str, log: Path | None = None) -> str:
+    """A CC command (a launcher script, as ccache is one) that runs `compiler` with -O0 last,
+    so it wins over the variant's -O2: a variant builds in ~8-10 s instead of ~25-30 s on
+    2 cores. The tests using it check where a library goes, its key and what loads it, not the
+    code gcc makes (the kernel tests run make setup's optimized libraries). `log`: each
+    command line, as the launcher received it, appended there."""
+    record = f'echo "$@" >> {log}\n' if log else ""
+    launcher.write_text(f'#!/bin/sh\n{record}exec "$@" -O0\n')
+    launcher.chmod(0o755)
+    return f"{launcher} {compiler}"

@@ -18,6 +18,7 @@ import torch
 
 from kernels import cpu_build
 from kernels.cpu_build import CpuKernelBuildError
+from tests.cpu_kernels import unoptimized
 from worker.cpu_weights import PanelLinear
 
 GENERIC = next(v for v in cpu_build.machine_variants() if v.name == "generic")
@@ -31,23 +32,11 @@ def cc():
     return found
 
 
-def unoptimized(launcher: Path, compiler: str, log: Path | None = None) -> str:
-    """A CC command (a launcher script, as ccache is one) that runs `compiler` with -O0 last,
-    so it wins over the variant's -O2: the generic build takes ~8 s instead of ~26 s on 2
-    cores. The tests using it check where a library goes, its key and what loads it, not the
-    code gcc makes (the kernel tests run make setup's optimized libraries). `log`: each
-    command line, as the launcher received it, appended there."""
-    record = f'echo "$@" >> {log}\n' if log else ""
-    launcher.write_text(f'#!/bin/sh\n{record}exec "$@" -O0\n')
-    launcher.chmod(0o755)
-    return f"{launcher} {compiler}"
-
-
 @pytest.fixture(scope="module")
 def prebuilt(tmp_path_factory):
     """The module's one gcc build: make setup's `prebuild` of a variant the compiler refuses and
-    the generic one (unoptimized: see `unoptimized`). Returns (built names, what it printed,
-    generic.so)."""
+    the generic one (unoptimized: see tests.cpu_kernels.unoptimized). Returns (built names,
+    what it printed, generic.so)."""
     cc = cpu_build.compiler_command()
     if cc is None:
         pytest.skip("no C compiler on this machine")
