@@ -65,6 +65,8 @@ SOURCES = (
 HEADERS = (
     "cpu_amx.h",
     "cpu_gemm.h",
+    "cpu_panel_share.h",
+    "cpu_lane_argmax.h",
     "cpu_gemm_amx.h",
     "cpu_simd.h",
     "cpu_kv_quant.h",
@@ -186,6 +188,7 @@ SIGNATURES = {
     "pk_gather_rows": (None, (_INT, _P, _P, _P, _I64, _I64, _I64, _INT)),
     "pk_mlp": (_INT, (_P, _P, _P, _P, _P, _I64, _I64, _I64, _P, _INT)),
     "pk_mlp_scratch_bytes": (_I64, (_I64, _I64)),
+    "pk_panel_share_check": (_INT, (_I64, _INT, _I64, _P, _P)),
     "pq_linear": (_INT, (_INT, _P, _I64, _P, _I64, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT)),
     "pq_quantize_rows": (None, (_P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT)),
     "pq_gather_rows": (None, (_INT, _P, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _INT)),

@@ -20,6 +20,7 @@
  * variant multiplies the fp32 x. Bias (fp32) is added last.
  */
 #include <stdlib.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -27,9 +28,13 @@
 #include "cpu_gemm.h"
 #include "cpu_gemm_amx.h"
 #include "cpu_lane_argmax.h"
+#include "cpu_panel_share.h"
 #include "cpu_simd.h"
 
 #define NR PK_PANEL_COLS /* output columns per panel */
+#ifndef PK_PANEL_STEALING
+#define PK_PANEL_STEALING 1 /* run_panels: a thread done with its panels takes the others' last ones */
+#endif
 #ifndef KC_F32
 #define KC_F32 256     /* K rows per cache block: 256 x 64 x 4 B = 64 KiB of W (L2) */
 #endif
@@ -358,25 +363,94 @@ static void thread_slot(int *t, int *nt) {
 #endif
 }
 
+/* What a run_panels thread runs per panel when they share them out. */
+typedef struct {
+    const Gemm *g;
+    int64_t k_tiles;
+} PanelRun;
+
+/* Panel p of a PanelRun whole (AMX tiles over K rows [0, k_tiles), the register tiles over the
+ * rest), prefetching panel `ahead` as it goes when that is the next one. */
+static void one_panel(void *ctx, int64_t p, int64_t ahead) {
+    const PanelRun *run = ctx;
+    const Gemm *g = run->g;
+    if (run->k_tiles)
+        amx_bf16_panel(g->c + p * NR, g->ldc, g->a16, g->lda16, g->w, g->m, g->n - p * NR, g->kp, run->k_tiles, p,
+                       ahead == p + 1);
+    register_panel(g, p, ahead == p + 1 ? p + 2 : p + 1, run->k_tiles);
+}
+
 /* g's y = x W^T + bias: AMX tiles over K rows [0, k_tiles) (g->a16 rounded for them), the
- * register tiles over the rest (g->a). Threads split the panels. */
+ * register tiles over the rest (g->a). Threads split the panels, and one done with its share
+ * takes the others' last panels (cpu_panel_share.h) wherever a panel alone reads x no more often
+ * than the AMX loop over a thread's panels does (the register path runs panel by panel anyway). */
 static int run_panels(const Gemm *g, const float *bias, int64_t k_tiles, int threads) {
     const int64_t m = g->m, n = g->n, kp = g->kp, ldc = g->ldc;
     float *y = g->c;
     const int64_t panels = (n + NR - 1) / NR;
-#pragma omp parallel num_threads(panel_threads(g, threads))
+    const int nthreads = panel_threads(g, threads);
+    const int stealing = PK_PANEL_STEALING && nthreads > 1 && (!k_tiles || amx_panel_alone_pays(m, k_tiles));
+    PanelShare shares[stealing ? nthreads : 1];
+#pragma omp parallel num_threads(nthreads)
     {
         int t, nt;
         thread_slot(&t, &nt);
-        const int64_t p_begin = panels * t / nt, p_end = panels * (t + 1) / nt;
-        if (k_tiles) amx_bf16_panels(y, ldc, g->a16, g->lda16, g->w, m, n, kp, k_tiles, p_begin, p_end);
-        for (int64_t p = p_begin; p < p_end; ++p) register_panel(g, p, p_end, k_tiles);
+        if (stealing) {
+            PanelRun run = {g, k_tiles};
+            if (k_tiles) amx_tiles_begin();
+            run_shared_panels(shares, t, nt, panels, one_panel, &run);
+            if (k_tiles) amx_tiles_end();
+        } else {
+            const int64_t p_begin = panels * t / nt, p_end = panels * (t + 1) / nt;
+            if (k_tiles) amx_bf16_panels(y, ldc, g->a16, g->lda16, g->w, m, n, kp, k_tiles, p_begin, p_end);
+            for (int64_t p = p_begin; p < p_end; ++p) register_panel(g, p, p_end, k_tiles);
+        }
         if (bias) {
 #pragma omp barrier
             add_bias(y, ldc, bias, m, n);
         }
     }
     return 0;
+}
+
+/* run_shared_panels' check (tests/kernels/test_cpu_panel_share.py): `panels` panels shared out
+ * among `threads` threads, thread 0 spinning slow_ns per panel it runs so the others steal from
+ * it. runner[p]: the thread that ran panel p (left as it was if none did); runs[p] += each run.
+ * Returns the region's thread count. */
+typedef struct {
+    int32_t *runner, *runs;
+    int64_t slow_ns;
+} ShareCheck;
+
+static void check_panel(void *ctx, int64_t p, int64_t ahead) {
+    const ShareCheck *check = ctx;
+    int t, nt;
+    (void)ahead;
+    thread_slot(&t, &nt);
+    check->runner[p] = t;
+    __atomic_add_fetch(&check->runs[p], 1, __ATOMIC_RELAXED);
+    if (t == 0 && check->slow_ns > 0) {
+        struct timespec now, until;
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        until.tv_nsec += check->slow_ns % 1000000000, until.tv_sec += check->slow_ns / 1000000000;
+        if (until.tv_nsec >= 1000000000) until.tv_nsec -= 1000000000, ++until.tv_sec;
+        do clock_gettime(CLOCK_MONOTONIC, &now);
+        while (now.tv_sec < until.tv_sec || (now.tv_sec == until.tv_sec && now.tv_nsec < until.tv_nsec));
+    }
+}
+
+int pk_panel_share_check(int64_t panels, int threads, int64_t slow_ns, int32_t *runner, int32_t *runs) {
+    ShareCheck check = {runner, runs, slow_ns};
+    PanelShare shares[threads > 0 ? threads : 1];
+    int used = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        int t, nt;
+        thread_slot(&t, &nt);
+        if (t == 0) used = nt;
+        run_shared_panels(shares, t, nt, panels, check_panel, &check);
+    }
+    return used;
 }
 
 /* y[m, n] (row stride ldc) = x[m, k] (row stride lda) W^T + bias. w: panels of `dtype` (see the

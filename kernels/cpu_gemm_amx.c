@@ -200,6 +200,13 @@ void amx_bf16_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
     }
 }
 
+/* amx_bf16_panel runs a panel's K blocks and row chunks with the panel outermost, so x's K block
+ * no longer stays in L2 across the thread's panels: alone it costs no more reads of x only when
+ * there is one K block, or all of x (bf16) fits in 1 MiB of L2 anyway, and one row chunk. */
+int amx_panel_alone_pays(int64_t m, int64_t k32) {
+    return m <= AMX_MC && (k32 <= AMX_KC || m * k32 <= (1 << 19));
+}
+
 void amx_tiles_begin(void) { pk_amx_config_tiles(); }
 
 void amx_tiles_end(void) { _tile_release(); }
@@ -292,6 +299,11 @@ void amx_bf16_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
                     int64_t n, int64_t kp, int64_t k32, int64_t p, int prefetch_next) {
     (void)y, (void)ldc, (void)a16, (void)lda16, (void)w, (void)m, (void)n, (void)kp, (void)k32, (void)p,
         (void)prefetch_next; /* not an AMX build: pk_linear_argmax never calls it there */
+}
+
+int amx_panel_alone_pays(int64_t m, int64_t k32) {
+    (void)m, (void)k32;
+    return 0;
 }
 
 void amx_tiles_begin(void) {}

@@ -35,6 +35,7 @@ int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
  * panels with amx_tiles_begin / amx_tiles_end (the tile configuration, then its release). */
 void amx_bf16_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
                     int64_t n, int64_t kp, int64_t k32, int64_t p, int prefetch_next);
+int amx_panel_alone_pays(int64_t m, int64_t k32);
 void amx_tiles_begin(void);
 void amx_tiles_end(void);
 
