@@ -349,6 +349,16 @@ static void register_panel(const Gemm *g, int64_t p, int64_t p_end, int64_t k_ti
     }
 }
 
+/* Panel p of g whole, into g->c (which holds y's columns from g->c_col on): AMX tiles over K rows
+ * [0, k_tiles), the register tiles over the rest; the next panel is prefetched meanwhile while
+ * p + 1 < p_end (the end of the thread's run of panels). */
+static void whole_panel(const Gemm *g, int64_t p, int64_t p_end, int64_t k_tiles) {
+    if (k_tiles)
+        amx_bf16_panel(g->c + (p * NR - g->c_col), g->ldc, g->a16, g->lda16, g->w, g->m, g->n - p * NR, g->kp,
+                       k_tiles, p, p + 1 < p_end);
+    register_panel(g, p, p_end, k_tiles);
+}
+
 /* Threads for g's panels: one unless there are 2+ panels and work enough to split. */
 static int panel_threads(const Gemm *g, int threads) {
     return (g->n + NR - 1) / NR >= 2 && g->m * g->n * g->kp >= 32768 ? threads : 1;
@@ -369,15 +379,10 @@ typedef struct {
     int64_t k_tiles;
 } PanelRun;
 
-/* Panel p of a PanelRun whole (AMX tiles over K rows [0, k_tiles), the register tiles over the
- * rest), prefetching panel `ahead` as it goes when that is the next one. */
+/* PanelWork of run_panels: panel p whole, prefetching the next one when it is `ahead`. */
 static void one_panel(void *ctx, int64_t p, int64_t ahead) {
     const PanelRun *run = ctx;
-    const Gemm *g = run->g;
-    if (run->k_tiles)
-        amx_bf16_panel(g->c + p * NR, g->ldc, g->a16, g->lda16, g->w, g->m, g->n - p * NR, g->kp, run->k_tiles, p,
-                       ahead == p + 1);
-    register_panel(g, p, ahead == p + 1 ? p + 2 : p + 1, run->k_tiles);
+    whole_panel(run->g, p, ahead == p + 1 ? p + 2 : p + 1, run->k_tiles);
 }
 
 /* g's y = x W^T + bias: AMX tiles over K rows [0, k_tiles) (g->a16 rounded for them), the
@@ -483,7 +488,7 @@ int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, con
  * folded into the rows' lanes. */
 static void argmax_panels(const Gemm *g, const float *bias, int64_t k_tiles, int64_t p_begin, int64_t p_end,
                           float *scratch, LaneMax *lanes) {
-    const int64_t m = g->m, n = g->n, kp = g->kp;
+    const int64_t m = g->m, n = g->n;
     Gemm t = *g;
     t.c = scratch, t.ldc = NR;
     lane_max_reset(lanes, m);
@@ -491,8 +496,7 @@ static void argmax_panels(const Gemm *g, const float *bias, int64_t k_tiles, int
     for (int64_t p = p_begin; p < p_end; ++p) {
         const int64_t col0 = p * NR, ncols = n - col0 < NR ? n - col0 : NR;
         t.c_col = col0;
-        if (k_tiles) amx_bf16_panel(scratch, NR, g->a16, g->lda16, g->w, m, ncols, kp, k_tiles, p, p + 1 < p_end);
-        register_panel(&t, p, p_end, k_tiles);
+        whole_panel(&t, p, p_end, k_tiles);
         if (bias)
             for (int64_t r = 0; r < m; ++r)
                 for (int64_t j = 0; j < ncols; ++j) scratch[r * NR + j] += bias[col0 + j];

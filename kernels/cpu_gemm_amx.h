@@ -29,8 +29,8 @@ int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
                     int64_t n, int64_t kp, int64_t k32, int64_t p_begin, int64_t p_end);
 
 /* amx_bf16_panels' work for the one panel p, every K block and row chunk of it before the next
- * panel (the order in which a consumer of each panel's columns can run: pk_linear_argmax), with
- * the same sums bit for bit. y points at the panel's first column; n: y's valid columns from
+ * panel (the order in which a consumer of each panel's columns can run, pk_linear_argmax, and in
+ * which a thread can take any panel, pk_linear's stealing), with the same sums bit for bit. y points at the panel's first column; n: y's valid columns from
  * there. prefetch_next: pull panel p + 1 into L2 meanwhile. The calling thread brackets its
  * panels with amx_tiles_begin / amx_tiles_end (the tile configuration, then its release). */
 void amx_bf16_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,

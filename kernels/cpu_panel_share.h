@@ -8,7 +8,7 @@
  *
  * Why: on a shared host one core often runs slower for a while (a neighbour on its physical
  * core), and with a fixed split the other thread waits at the region's end for it; measured on a
- * 2-core VM, up to 14 % of the batch-64 GEMMs' thread time (docs/PERF.md). A panel's output does
+ * 2-core VM, up to 18 % of the batch-64 GEMMs' thread time (docs/PERF.md). A panel's output does
  * not depend on which thread runs it, so the results are the same bits either way.
  */
 #ifndef PAGEDKV_CPU_PANEL_SHARE_H
