@@ -35,6 +35,11 @@
 #ifndef PK_PANEL_STEALING
 #define PK_PANEL_STEALING 1 /* run_panels: a thread done with its panels takes the others' last ones */
 #endif
+#ifndef PK_BLOCK_STEALING
+/* ... also where a panel alone does not pay (2+ AMX row chunks or K blocks) and in pk_mlp's
+ * gate/up pass: panels shared per (K block, row chunk) round; 0 keeps the static split there */
+#define PK_BLOCK_STEALING 1
+#endif
 #ifndef KC_F32
 #define KC_F32 256     /* K rows per cache block: 256 x 64 x 4 B = 64 KiB of W (L2) */
 #endif
@@ -385,26 +390,70 @@ static void one_panel(void *ctx, int64_t p, int64_t ahead) {
     whole_panel(run->g, p, ahead == p + 1 ? p + 2 : p + 1, run->k_tiles);
 }
 
+/* PanelWork of the K tail after share_blocks' rounds: panel p's K rows [k_tiles, kp). */
+static void one_register_panel(void *ctx, int64_t p, int64_t ahead) {
+    const PanelRun *run = ctx;
+    register_panel(run->g, p, ahead == p + 1 ? p + 2 : p + 1, run->k_tiles);
+}
+
+/* What a share_blocks thread runs per panel of one (K block, row chunk) round. */
+typedef struct {
+    const Gemm *g;
+    int64_t k_tiles, k0, row0;
+} BlockRun;
+
+static void one_panel_block(void *ctx, int64_t p, int64_t ahead) {
+    const BlockRun *run = ctx;
+    const Gemm *g = run->g;
+    amx_bf16_panel_block(g->c + (p * NR - g->c_col), g->ldc, g->a16, g->lda16, g->w, g->m, g->n - p * NR, g->kp,
+                         run->k_tiles, p, run->k0, run->row0, ahead == p + 1);
+}
+
+/* run_panels' threads where a panel alone does not pay: one round of shared panels per (K block,
+ * row chunk), in amx_bf16_panels' order (x's block stays in L2 while the panels pass), then a
+ * round of the register tiles over the K tail if there is one. The barrier each round starts
+ * with (run_shared_panels) keeps a panel's K blocks in order. Rounds take turns between the two
+ * halves of `shares` (2 nt): a thread still stealing in round r reads only round r's half, since
+ * nobody sets that half again before round r + 2's barrier, which waits for it. */
+static void share_blocks(const Gemm *g, PanelShare *shares, int t, int nt, int64_t panels, int64_t k_tiles) {
+    int round = 0;
+    amx_tiles_begin();
+    for (int64_t k0 = 0; k0 < k_tiles; k0 += AMX_KC)
+        for (int64_t row0 = 0; row0 < g->m; row0 += AMX_MC) {
+            BlockRun run = {g, k_tiles, k0, row0};
+            run_shared_panels(shares + (round++ & 1) * nt, t, nt, panels, one_panel_block, &run);
+        }
+    amx_tiles_end();
+    if (k_tiles < g->kp) {
+        PanelRun run = {g, k_tiles};
+        run_shared_panels(shares + (round & 1) * nt, t, nt, panels, one_register_panel, &run);
+    }
+}
+
 /* g's y = x W^T + bias: AMX tiles over K rows [0, k_tiles) (g->a16 rounded for them), the
  * register tiles over the rest (g->a). Threads split the panels, and one done with its share
- * takes the others' last panels (cpu_panel_share.h) wherever a panel alone reads x no more often
- * than the AMX loop over a thread's panels does (the register path runs panel by panel anyway). */
+ * takes the others' last panels (cpu_panel_share.h): whole panels wherever a panel alone reads x
+ * no more often than the AMX loop over a thread's panels does (the register path runs panel by
+ * panel anyway), else per (K block, row chunk) round (share_blocks). */
 static int run_panels(const Gemm *g, const float *bias, int64_t k_tiles, int threads) {
     const int64_t m = g->m, n = g->n, kp = g->kp, ldc = g->ldc;
     float *y = g->c;
     const int64_t panels = (n + NR - 1) / NR;
     const int nthreads = panel_threads(g, threads);
-    const int stealing = PK_PANEL_STEALING && nthreads > 1 && (!k_tiles || amx_panel_alone_pays(m, k_tiles));
-    PanelShare shares[stealing ? nthreads : 1];
+    const int alone = !k_tiles || amx_panel_alone_pays(m, k_tiles);
+    const int stealing = PK_PANEL_STEALING && nthreads > 1 && (alone || PK_BLOCK_STEALING);
+    PanelShare shares[stealing ? 2 * nthreads : 1];
 #pragma omp parallel num_threads(nthreads)
     {
         int t, nt;
         thread_slot(&t, &nt);
-        if (stealing) {
+        if (stealing && alone) {
             PanelRun run = {g, k_tiles};
             if (k_tiles) amx_tiles_begin();
             run_shared_panels(shares, t, nt, panels, one_panel, &run);
             if (k_tiles) amx_tiles_end();
+        } else if (stealing) {
+            share_blocks(g, shares, t, nt, panels, k_tiles);
         } else {
             const int64_t p_begin = panels * t / nt, p_end = panels * (t + 1) / nt;
             if (k_tiles) amx_bf16_panels(y, ldc, g->a16, g->lda16, g->w, m, n, kp, k_tiles, p_begin, p_end);
@@ -602,6 +651,36 @@ int pk_linear_decoded(float *y, int64_t ldc, const float *x, int64_t lda, PkChun
     return 0;
 }
 
+/* What a share_gate_up thread runs per gate panel of one row chunk. */
+typedef struct {
+    uint16_t *act16;
+    const uint16_t *a16;
+    const void *w;
+    int64_t m, inner, k32;
+    float *gate;
+} GateUpRun;
+
+static void one_gate_up_panel(void *ctx, int64_t p, int64_t ahead) {
+    const GateUpRun *run = ctx;
+    amx_bf16_gate_up_silu_panel(run->act16, run->a16, run->k32, run->w, run->m, run->inner, run->k32, p, ahead,
+                                run->gate);
+}
+
+/* pk_mlp's gate/up pass with its gate panels shared out per row chunk of AMX_MC rows (rounds
+ * and their two halves of `shares` as in share_blocks), in amx_bf16_gate_up_silu's order. */
+static void share_gate_up(uint16_t *act16, const uint16_t *a16, const void *w, int64_t m, int64_t inner,
+                          int64_t k32, PanelShare *shares, int t, int nt) {
+    float gate[AMX_MC * 32] __attribute__((aligned(64))); /* 32 KiB: this thread's gate block */
+    int round = 0;
+    amx_tiles_begin();
+    for (int64_t row0 = 0; row0 < m; row0 += AMX_MC) {
+        GateUpRun run = {act16 + row0 * inner, a16 + row0 * k32, w, m - row0 < AMX_MC ? m - row0 : AMX_MC,
+                         inner, k32, gate};
+        run_shared_panels(shares + (round++ & 1) * nt, t, nt, inner / NR, one_gate_up_panel, &run);
+    }
+    amx_tiles_end();
+}
+
 /* An MLP's y[m, d] = down(silu(gate(x)) * up(x)) (+ down's bias) on AMX tiles, with the SiLU
  * product written once as down's bf16 input (amx_bf16_gate_up_silu) instead of a fp32 [m, 2I]
  * gate/up output, a SiLU pass and down's rounding pass: the same bits as pk_linear, silu_mul,
@@ -618,14 +697,16 @@ int pk_mlp(float *y, const float *x, const void *gate_up, const void *down, cons
     if (!a16) return -1;
     memset(act + m * inner, 0, (size_t)((m32 - m) * inner) * sizeof(uint16_t)); /* down's padding rows */
     const int64_t gate_panels = inner / NR;
-#pragma omp parallel num_threads(gate_panels >= 2 ? threads : 1)
+    const int gate_threads = gate_panels >= 2 ? threads : 1;
+    PanelShare shares[2 * gate_threads];
+#pragma omp parallel num_threads(gate_threads)
     {
-#ifdef _OPENMP
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        int t = 0, nt = 1;
-#endif
-        amx_bf16_gate_up_silu(act, a16, d, gate_up, m, inner, d, gate_panels * t / nt, gate_panels * (t + 1) / nt);
+        int t, nt;
+        thread_slot(&t, &nt);
+        if (PK_PANEL_STEALING && PK_BLOCK_STEALING && nt > 1)
+            share_gate_up(act, a16, gate_up, m, inner, d, shares, t, nt);
+        else
+            amx_bf16_gate_up_silu(act, a16, d, gate_up, m, inner, d, gate_panels * t / nt, gate_panels * (t + 1) / nt);
     }
     Gemm g = {DT_BF16, y, d, NULL, inner, act, inner, down, m, d, inner, 0, 0};
     const int status = run_panels(&g, bias, inner, threads);

@@ -28,15 +28,6 @@
 #include "cpu_simd.h"
 
 #define PANEL_COLS 64
-/* Cache blocking (multiples of 32; measured on a 2-core Sapphire-Rapids-class VM against 512 /
- * 512, 256 / 512, 2048 / 256: docs/PERF.md): a K block of a half panel is 32 x 1024 bf16 = 64
- * KiB, AMX_MC rows of x's K block 512 KiB, both within a core's 2 MiB L2. */
-#ifndef AMX_KC
-#define AMX_KC 1024
-#endif
-#ifndef AMX_MC
-#define AMX_MC 256
-#endif
 
 /* Tile registers: 0..3 accumulators (C[row half][col half]), 4..5 A, 6..7 B. */
 
@@ -185,19 +176,21 @@ int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
     return 0;
 }
 
+void amx_bf16_panel_block(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                          int64_t n, int64_t kp, int64_t k32, int64_t p, int64_t k0, int64_t row0, int prefetch_next) {
+    const int64_t kc = k32 - k0 < AMX_KC ? k32 - k0 : AMX_KC;
+    const int64_t row_end = m - row0 < AMX_MC ? m : row0 + AMX_MC;
+    const uint16_t *next = w + (p + 1) * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2;
+    NextPanel np = next_panel(prefetch_next ? next : NULL, kc * 2, panel_steps(row0, row_end, kc));
+    panel_block(y, ldc, a16, lda16, w, m, n, kp, p, row0, row_end, k0, kc, &np);
+}
+
 void amx_bf16_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
                     int64_t n, int64_t kp, int64_t k32, int64_t p, int prefetch_next) {
-    for (int64_t k0 = 0; k0 < k32; k0 += AMX_KC) {
-        const int64_t kc = k32 - k0 < AMX_KC ? k32 - k0 : AMX_KC;
-        for (int64_t row0 = 0; row0 < m; row0 += AMX_MC) {
-            const int64_t row_end = m - row0 < AMX_MC ? m : row0 + AMX_MC;
-            const uint16_t *next = w + (p + 1) * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2;
-            /* the next panel's K block while the first row chunk of this one runs */
-            NextPanel np = next_panel(prefetch_next && row0 == 0 ? next : NULL, kc * 2,
-                                      panel_steps(row0, row_end, kc));
-            panel_block(y, ldc, a16, lda16, w, m, n, kp, p, row0, row_end, k0, kc, &np);
-        }
-    }
+    /* the next panel's K block while the first row chunk of this one runs */
+    for (int64_t k0 = 0; k0 < k32; k0 += AMX_KC)
+        for (int64_t row0 = 0; row0 < m; row0 += AMX_MC)
+            amx_bf16_panel_block(y, ldc, a16, lda16, w, m, n, kp, k32, p, k0, row0, prefetch_next && row0 == 0);
 }
 
 /* amx_bf16_panel runs a panel's K blocks and row chunks with the panel outermost, so x's K block
@@ -233,37 +226,31 @@ static void block_32x32(float *c, const uint16_t *a0, int64_t lda16, const uint1
     }
 }
 
-/* amx_bf16_gate_up_silu for the m (<= AMX_MC) rows of one chunk, a16 and act16 at its first
- * row. Per half panel: gate's 32 columns for every row of the chunk first (one weight stream at
- * a time, as the unfused GEMM reads them), kept in `gate` [m, 32], then up's, each 32-row block's
- * product written as soon as its up block is done. */
-static void gate_up_silu_chunk(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
-                               int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end, float *gate) {
+void amx_bf16_gate_up_silu_panel(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                                 int64_t inner, int64_t k32, int64_t p, int64_t next, float *gate) {
     float up[32 * 32] __attribute__((aligned(64)));
     const int64_t up_panels = inner / PANEL_COLS;
     const int64_t steps = 2 * ((m + 31) / 32) * (k32 / 32); /* k steps of a gate panel (and of its up panel) */
-    for (int64_t p = p_begin; p < p_end; ++p) {
-        /* the next gate panel while gate's tiles run, the next up panel while up's do */
-        const uint16_t *next = p + 1 < p_end ? w + (p + 1) * k32 * PANEL_COLS : NULL;
-        NextPanel np = next_panel(next, k32 * 2, steps);
-        NextPanel npu = next_panel(next ? next + up_panels * k32 * PANEL_COLS : NULL, k32 * 2, steps);
-        for (int half = 0; half < 2; ++half) {
-            const int64_t col = p * PANEL_COLS + half * 32;
-            const uint16_t *bg = w + p * k32 * PANEL_COLS + half * 64, *bu = bg + up_panels * k32 * PANEL_COLS;
-            for (int64_t row = 0; row < m; row += 32)
-                block_32x32(gate + row * 32, a16 + row * lda16, lda16, bg, k32, m - row > 16, &np);
-            for (int64_t row = 0; row < m; row += 32) {
-                block_32x32(up, a16 + row * lda16, lda16, bu, k32, m - row > 16, &npu);
-                const int64_t rows = m - row < 32 ? m - row : 32;
-                for (int64_t r = 0; r < rows; ++r) {
-                    const float *g = gate + (row + r) * 32, *u = up + r * 32;
-                    float o[32];
+    /* the next gate panel while gate's tiles run, the next up panel while up's do */
+    const uint16_t *ahead = next >= 0 ? w + next * k32 * PANEL_COLS : NULL;
+    NextPanel np = next_panel(ahead, k32 * 2, steps);
+    NextPanel npu = next_panel(ahead ? ahead + up_panels * k32 * PANEL_COLS : NULL, k32 * 2, steps);
+    for (int half = 0; half < 2; ++half) {
+        const int64_t col = p * PANEL_COLS + half * 32;
+        const uint16_t *bg = w + p * k32 * PANEL_COLS + half * 64, *bu = bg + up_panels * k32 * PANEL_COLS;
+        for (int64_t row = 0; row < m; row += 32)
+            block_32x32(gate + row * 32, a16 + row * lda16, lda16, bg, k32, m - row > 16, &np);
+        for (int64_t row = 0; row < m; row += 32) {
+            block_32x32(up, a16 + row * lda16, lda16, bu, k32, m - row > 16, &npu);
+            const int64_t rows = m - row < 32 ? m - row : 32;
+            for (int64_t r = 0; r < rows; ++r) {
+                const float *g = gate + (row + r) * 32, *u = up + r * 32;
+                float o[32];
 #pragma omp simd
-                    for (int j = 0; j < 32; ++j) o[j] = silu_times(g[j], u[j]);
-                    uint16_t *dst = act16 + (row + r) * inner + col;
-                    store16_bf16(dst, load16(o));
-                    store16_bf16(dst + 16, load16(o + 16));
-                }
+                for (int j = 0; j < 32; ++j) o[j] = silu_times(g[j], u[j]);
+                uint16_t *dst = act16 + (row + r) * inner + col;
+                store16_bf16(dst, load16(o));
+                store16_bf16(dst + 16, load16(o + 16));
             }
         }
     }
@@ -276,8 +263,10 @@ void amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, 
     float gate[AMX_MC * 32] __attribute__((aligned(64))); /* 32 KiB */
     pk_amx_config_tiles();
     for (int64_t row0 = 0; row0 < m; row0 += AMX_MC)
-        gate_up_silu_chunk(act16 + row0 * inner, a16 + row0 * lda16, lda16, w, m - row0 < AMX_MC ? m - row0 : AMX_MC,
-                           inner, k32, p_begin, p_end, gate);
+        for (int64_t p = p_begin; p < p_end; ++p)
+            amx_bf16_gate_up_silu_panel(act16 + row0 * inner, a16 + row0 * lda16, lda16, w,
+                                        m - row0 < AMX_MC ? m - row0 : AMX_MC, inner, k32, p,
+                                        p + 1 < p_end ? p + 1 : -1, gate);
     _tile_release();
 }
 
@@ -299,6 +288,18 @@ void amx_bf16_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
                     int64_t n, int64_t kp, int64_t k32, int64_t p, int prefetch_next) {
     (void)y, (void)ldc, (void)a16, (void)lda16, (void)w, (void)m, (void)n, (void)kp, (void)k32, (void)p,
         (void)prefetch_next; /* not an AMX build: pk_linear_argmax never calls it there */
+}
+
+void amx_bf16_panel_block(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                          int64_t n, int64_t kp, int64_t k32, int64_t p, int64_t k0, int64_t row0, int prefetch_next) {
+    (void)y, (void)ldc, (void)a16, (void)lda16, (void)w, (void)m, (void)n, (void)kp, (void)k32, (void)p, (void)k0,
+        (void)row0, (void)prefetch_next; /* not an AMX build: pk_linear never calls it there */
+}
+
+void amx_bf16_gate_up_silu_panel(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                                 int64_t inner, int64_t k32, int64_t p, int64_t next, float *gate) {
+    (void)act16, (void)a16, (void)lda16, (void)w, (void)m, (void)inner, (void)k32, (void)p, (void)next, (void)gate;
+    /* not an AMX build: pk_mlp never calls it there */
 }
 
 int amx_panel_alone_pays(int64_t m, int64_t k32) {

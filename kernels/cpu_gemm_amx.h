@@ -19,6 +19,17 @@
 /* K rows per tile step (a tile row is 64 bytes: 32 bf16); K past the last multiple of it is
  * left to the caller's AVX-512 path, which adds onto the stored tiles. */
 #define AMX_K_STEP 32
+/* Cache blocking (multiples of 32; measured on a 2-core Sapphire-Rapids-class VM against 512 /
+ * 512, 256 / 512, 2048 / 256: docs/PERF.md): a K block of a half panel is 32 x 1024 bf16 = 64
+ * KiB, AMX_MC rows of x's K block 512 KiB, both within a core's 2 MiB L2. The loops run K block
+ * > row chunk > panel, so a caller sharing panels out per (K block, row chunk) keeps that order
+ * (cpu_gemm.c's run_panels). */
+#ifndef AMX_KC
+#define AMX_KC 1024
+#endif
+#ifndef AMX_MC
+#define AMX_MC 256
+#endif
 
 /* y[m, panels p_begin..p_end) = a16[m, 0..k32) x W^T for the panels of cpu_gemm.c's bf16 layout
  * (W_p[N/64][kp/2][64][2], which is exactly the tile B operand's pairs-of-k layout). a16: x
@@ -35,6 +46,15 @@ int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
  * panels with amx_tiles_begin / amx_tiles_end (the tile configuration, then its release). */
 void amx_bf16_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
                     int64_t n, int64_t kp, int64_t k32, int64_t p, int prefetch_next);
+/* amx_bf16_panel's work for one K block [k0, k0 + AMX_KC) and one row chunk [row0, row0 +
+ * AMX_MC) of panel p (k0, row0 multiples of those), adding onto y's earlier K blocks: the unit
+ * that pk_linear's threads share out per (K block, row chunk) where a panel alone does not pay
+ * (amx_panel_alone_pays), with amx_bf16_panels' sums bit for bit. prefetch_next: pull panel p + 1's
+ * K block into L2 meanwhile. Calling thread, inside amx_tiles_begin / amx_tiles_end. */
+void amx_bf16_panel_block(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                          int64_t n, int64_t kp, int64_t k32, int64_t p, int64_t k0, int64_t row0, int prefetch_next);
+/* Whether amx_bf16_panel (a panel's every K block and row chunk before the next panel) reads x no
+ * more often than the K block > row chunk > panel order: one row chunk, and one K block or x small. */
 int amx_panel_alone_pays(int64_t m, int64_t k32);
 void amx_tiles_begin(void);
 void amx_tiles_end(void);
@@ -56,6 +76,12 @@ void amx_tiles_end(void);
  * linear's input; the fp32 gate / up rows never leave L1. Calling thread, tile permission. */
 void amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
                            int64_t inner, int64_t k32, int64_t p_begin, int64_t p_end);
+/* amx_bf16_gate_up_silu's work for gate panel p of one row chunk (m <= AMX_MC rows; act16 and a16
+ * at its first row), prefetching gate panel `next` and its up panel meanwhile (-1: none). gate:
+ * the calling thread's AMX_MC x 32 fp32 scratch. The unit pk_mlp's threads share out; calling
+ * thread, inside amx_tiles_begin / amx_tiles_end. */
+void amx_bf16_gate_up_silu_panel(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                                 int64_t inner, int64_t k32, int64_t p, int64_t next, float *gate);
 
 /* cpu_quant.c's pq_linear after its activations are int16 codes (xq, xs, xsum per block), on
  * AMX int8 tiles with the same integer math (cpu_quant_amx.c): 0, -1 when scratch could not be

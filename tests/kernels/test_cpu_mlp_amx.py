@@ -30,7 +30,7 @@ def _mlp(gen, d, inner, bias):
     return gate_up, down, torch.randn(d, generator=gen) if bias else None
 
 
-def _fused(ops, x, gate_up, down, bias, inner):
+def _fused(ops, x, gate_up, down, bias, inner, threads=2):
     rows, d = x.shape
     gu, dn = PanelLinear(ops, gate_up, None, torch.bfloat16), PanelLinear(ops, down, bias, torch.bfloat16)
     y = torch.full((rows, d), float("nan"))
@@ -38,7 +38,7 @@ def _fused(ops, x, gate_up, down, bias, inner):
     # bf16 NaNs (0x7FC0): an element of down's input the pass did not write would show in y
     scratch = torch.full((ops.pk_mlp_scratch_bytes(rows, inner) // 2,), 0x7FC0, dtype=torch.int16)
     status = ops.pk_mlp(y.data_ptr(), x.data_ptr(), gu.panels.data_ptr(), dn.panels.data_ptr(), bias_ptr,
-                        rows, d, inner, scratch.data_ptr(), 2)  # fmt: skip
+                        rows, d, inner, scratch.data_ptr(), threads)  # fmt: skip
     return status, y
 
 
@@ -72,6 +72,26 @@ def test_fused_mlp_gives_the_bits_of_the_three_kernels(amx, rows, d, inner):
     act = (g * torch.sigmoid(g) * u).to(torch.bfloat16).double()
     want = act @ down.double().T + (0 if bias is None else bias.double())
     assert (got.double() - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "rows,d,inner",
+    [
+        (256, 896, 4864),  # the 0.5B's MLP at a 256-token prompt: one row chunk, down's K blocks
+        (600, 96, 1088),  # 3 row chunks, 3 gate panels, down's K past one block
+    ],
+)
+def test_one_thread_and_two_give_the_same_bits(amx, rows, d, inner):
+    """Two threads share the gate/up panels and down's (K block, row chunk) rounds out with
+    stealing (kernels/cpu_panel_share.h); whichever thread runs a panel, the bits are one thread's."""
+    gen = torch.Generator().manual_seed(rows + d + inner)
+    gate_up, down, bias = _mlp(gen, d, inner, bias=True)
+    x = torch.randn(rows, d, generator=gen)
+    status, alone = _fused(amx, x, gate_up, down, bias, inner, threads=1)
+    assert status == 0 and not torch.isnan(alone).any()
+    for _ in range(3):
+        status, shared = _fused(amx, x, gate_up, down, bias, inner, threads=2)
+        assert status == 0 and torch.equal(shared, alone)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Panels shared out between pk_linear's threads with stealing at the end (kernels/
 cpu_panel_share.h): every panel runs exactly once whatever the timing, a thread done with its
 share takes the slow thread's last panels (its runs stay a prefix of its share), and pk_linear's
-output is the same bits with one thread or two, in every ISA variant this CPU runs."""
+output is the same bits with one thread or two, in every ISA variant this CPU runs (pk_mlp's:
+test_cpu_mlp_amx.py)."""
 
 from __future__ import annotations
 
@@ -45,9 +46,12 @@ def test_a_slow_thread_loses_its_last_panels_to_the_other(ops):
     pytest.fail(f"thread 1 stole none of thread 0's panels in {STEAL_TRIES} tries of ~40 ms each")
 
 
-# the 0.5B's qkv at batch 1, o at 16, up and down at 64 (K 4,864: AMX K blocks), an odd K and a
-# partial panel, and more rows than one AMX row chunk (the static split)
+# the 0.5B's qkv at batch 1, o at 16, up and down at 64 (K 4,864: AMX K blocks, a panel alone
+# pays), an odd K and a partial panel; then shared per (K block, row chunk) round: more rows than
+# one AMX row chunk, down at a 256-token prompt, and 3 row chunks x 2 K blocks with a K tail for
+# the register tiles and a partial panel
 SHAPES = [(1, 1152, 896), (16, 896, 896), (64, 4864, 896), (64, 896, 4864), (64, 200, 97), (300, 256, 128)]
+SHAPES += [(256, 896, 4864), (600, 200, 1061)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
