@@ -69,17 +69,33 @@
 /* The next panel's K block, pulled into L2 (prefetcht1) a few lines per k step while this panel
  * computes, so the weights' stream from memory overlaps the tiles instead of following them
  * (measured over 24 layers of 0.5B linears whose weights do not stay in cache, 2 threads:
- * 256 rows 152.7 -> 133.5 ms, 64 rows 60.5 -> 56.4 ms; prefetching into L1, or two panels
- * ahead, was no better: docs/PERF.md). */
+ * 256 rows 152.7 -> 133.5 ms, 64 rows 60.5 -> 56.4 ms on a Sapphire-Rapids-class VM; prefetching
+ * into L1, or two panels ahead, was no better: docs/PERF.md). */
 typedef struct {
     const char *next; /* the next panel's first line of this K block; NULL: none */
     int64_t line, lines;
     int per_step;
 } NextPanel;
 
-/* Prefetches of the `lines` lines at `next` (NULL: none) spread over `steps` k steps. */
-static inline NextPanel next_panel(const uint16_t *next, int64_t lines, int64_t steps) {
-    return (NextPanel){(const char *)next, 0, lines, (int)((lines + steps - 1) / steps)};
+/* At most this many prefetches per k step (4 tile loads, 4 tdpbf16ps) where the panel's row
+ * chunk has more than 16 rows: at 256 rows a panel's steps spread its successor's lines at 4 per
+ * step anyway, but at 64 rows they would issue 16 per step, which stall the tile loads more than
+ * they save (measured on a 2-core Granite-Rapids-class VM, bench.build_ab against no cap: 32-row
+ * linears 1.10-1.12x, 64 rows 1.21-1.25x, 128 rows 1.11-1.15x, 256 rows 1.03x, batch-64 decode
+ * step 1.06-1.08x; docs/PERF.md). The rest of the panel is left to the hardware prefetchers;
+ * every other line instead of each was 0.80-0.99x. At 16 rows or fewer a step is 2 tdpbf16ps on
+ * 1 x 2 tiles and the weight stream bounds it: there every line pays (with the cap: 8-row
+ * linears 0.95x, batch-16 decode step 0.90-0.92x). 0: no prefetch past 16 rows. */
+#ifndef AMX_PF_MAX
+#define AMX_PF_MAX 4
+#endif
+
+/* Prefetches of the `lines` lines at `next` (NULL: none) spread over `steps` k steps of a chunk
+ * of `rows` rows, at most AMX_PF_MAX per step past 16 rows. */
+static inline NextPanel next_panel(const uint16_t *next, int64_t lines, int64_t steps, int64_t rows) {
+    const int64_t per_step = (lines + steps - 1) / steps;
+    const int64_t cap = rows > 16 ? AMX_PF_MAX : per_step;
+    return (NextPanel){(const char *)next, 0, lines, (int)(per_step < cap ? per_step : cap)};
 }
 
 static inline void next_panel_step(NextPanel *np) {
@@ -166,7 +182,7 @@ int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
             const int64_t steps = panel_steps(row0, row_end, kc);
             for (int64_t p = p_begin; p < p_end; ++p) {
                 const uint16_t *next = w + (p + 1) * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2;
-                NextPanel np = next_panel(p + 1 < p_end ? next : NULL, kc * 2, steps);
+                NextPanel np = next_panel(p + 1 < p_end ? next : NULL, kc * 2, steps, row_end - row0);
                 const int64_t col = p * PANEL_COLS;
                 panel_block(y + col, ldc, a16, lda16, w, m, n - col, kp, p, row0, row_end, k0, kc, &np);
             }
@@ -181,7 +197,7 @@ void amx_bf16_panel_block(float *y, int64_t ldc, const uint16_t *a16, int64_t ld
     const int64_t kc = k32 - k0 < AMX_KC ? k32 - k0 : AMX_KC;
     const int64_t row_end = m - row0 < AMX_MC ? m : row0 + AMX_MC;
     const uint16_t *next = w + (p + 1) * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2;
-    NextPanel np = next_panel(prefetch_next ? next : NULL, kc * 2, panel_steps(row0, row_end, kc));
+    NextPanel np = next_panel(prefetch_next ? next : NULL, kc * 2, panel_steps(row0, row_end, kc), row_end - row0);
     panel_block(y, ldc, a16, lda16, w, m, n, kp, p, row0, row_end, k0, kc, &np);
 }
 
@@ -233,8 +249,8 @@ void amx_bf16_gate_up_silu_panel(uint16_t *act16, const uint16_t *a16, int64_t l
     const int64_t steps = 2 * ((m + 31) / 32) * (k32 / 32); /* k steps of a gate panel (and of its up panel) */
     /* the next gate panel while gate's tiles run, the next up panel while up's do */
     const uint16_t *ahead = next >= 0 ? w + next * k32 * PANEL_COLS : NULL;
-    NextPanel np = next_panel(ahead, k32 * 2, steps);
-    NextPanel npu = next_panel(ahead ? ahead + up_panels * k32 * PANEL_COLS : NULL, k32 * 2, steps);
+    NextPanel np = next_panel(ahead, k32 * 2, steps, m);
+    NextPanel npu = next_panel(ahead ? ahead + up_panels * k32 * PANEL_COLS : NULL, k32 * 2, steps, m);
     for (int half = 0; half < 2; ++half) {
         const int64_t col = p * PANEL_COLS + half * 32;
         const uint16_t *bg = w + p * k32 * PANEL_COLS + half * 64, *bu = bg + up_panels * k32 * PANEL_COLS;
