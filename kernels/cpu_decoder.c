@@ -101,17 +101,21 @@ typedef struct {
     int64_t floats;
 } Buffers;
 
+/* floats rounded up to whole 64-byte lines: each buffer starts on a line, as the AMX tiles load
+ * `act` best (base is a torch tensor's data, 64-byte aligned) */
+static int64_t whole_lines(int64_t floats) { return (floats + 15) / 16 * 16; }
+
 static Buffers carve(const PkModel *m, int64_t tokens, float *base) {
     const int64_t D = m->hidden, HD = m->heads * m->head_dim, I = m->inter, qkv = m->layers[0].qkv.n;
     int64_t wide = qkv > 2 * I ? qkv : 2 * I;
     wide = wide > D ? wide : D;
     Buffers b;
     b.h = base;
-    b.q = b.h + tokens * D;
-    b.attended = b.q + tokens * HD;
-    b.wide = b.attended + tokens * HD;
-    b.act = b.wide + tokens * wide;
-    b.floats = (b.act + tokens * I) - base;
+    b.q = b.h + whole_lines(tokens * D);
+    b.attended = b.q + whole_lines(tokens * HD);
+    b.wide = b.attended + whole_lines(tokens * HD);
+    b.act = b.wide + whole_lines(tokens * wide);
+    b.floats = (b.act + whole_lines(tokens * I)) - base;
     return b;
 }
 
