@@ -69,8 +69,8 @@
 /* The next panel's K block, pulled into L2 (prefetcht1) a few lines per k step while this panel
  * computes, so the weights' stream from memory overlaps the tiles instead of following them
  * (measured over 24 layers of 0.5B linears whose weights do not stay in cache, 2 threads:
- * 256 rows 152.7 -> 133.5 ms, 64 rows 60.5 -> 56.4 ms on a Sapphire-Rapids-class VM; prefetching
- * into L1, or two panels ahead, was no better: docs/PERF.md). */
+ * 256 rows 152.7 -> 133.5 ms, 64 rows 60.5 -> 56.4 ms on the first AMX VM, model not recorded;
+ * prefetching into L1, or two panels ahead, was no better: docs/PERF.md). */
 typedef struct {
     const char *next; /* the next panel's first line of this K block; NULL: none */
     int64_t line, lines;
