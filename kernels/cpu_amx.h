@@ -7,7 +7,14 @@
 #define PAGEDKV_CPU_AMX_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* `bytes` (rounded up to whole lines) starting on a 64-byte cache line, for memory the tiles load:
+ * a tile row is 64 bytes, and on malloc's 16-byte alignment every row spans two lines (pk_linear
+ * at 256 x 896 x 4,864: 2,044-2,119 GFLOP/s on malloc'd rows, 2,408-2,456 aligned; docs/PERF.md).
+ * Freed with free(). */
+static inline void *pk_alloc_lines(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PK_HAVE_AMX 1

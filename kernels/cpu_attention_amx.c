@@ -246,7 +246,7 @@ int amx_prefill_attention(float *out, const float *query, const void *k_cache, c
         num_tiles += kv_heads * ((q_len * group + 15) / 16);
         max_keys = keys32 > max_keys ? keys32 : max_keys;
     }
-    uint16_t *pack = aligned_alloc(64, ((size_t)packed * sizeof(uint16_t) + 127) / 64 * 64);
+    uint16_t *pack = pk_alloc_lines((size_t)packed * sizeof(uint16_t) + 64);
     RowTile *tiles = malloc((size_t)(num_tiles > 0 ? num_tiles : 1) * sizeof(RowTile));
     const size_t per_thread = (size_t)TERMS * dim * 16 * sizeof(uint16_t) + (size_t)16 * max_keys * sizeof(float) +
                               (size_t)TERMS * 16 * max_keys * sizeof(uint16_t) + (size_t)16 * dim * sizeof(float);

@@ -33,12 +33,9 @@
 
 #define NR PK_PANEL_COLS /* output columns per panel */
 #ifndef PK_PANEL_STEALING
-#define PK_PANEL_STEALING 1 /* run_panels: a thread done with its panels takes the others' last ones */
-#endif
-#ifndef PK_BLOCK_STEALING
-/* ... also where a panel alone does not pay (2+ AMX row chunks or K blocks) and in pk_mlp's
- * gate/up pass: panels shared per (K block, row chunk) round; 0 keeps the static split there */
-#define PK_BLOCK_STEALING 1
+/* run_panels and pk_mlp's gate/up pass: a thread done with its panels takes the others' last
+ * ones; 0 builds the static split (the A/B's control) */
+#define PK_PANEL_STEALING 1
 #endif
 #ifndef KC_F32
 #define KC_F32 256     /* K rows per cache block: 256 x 64 x 4 B = 64 KiB of W (L2) */
@@ -301,14 +298,11 @@ static void run_rows(const Gemm *g, int64_t row, int64_t rows, int64_t p, int co
 }
 
 /* x rounded to bf16 pairs for vdpbf16ps and the AMX tiles: [m_alloc, kp] with a zero in the
- * padding column and zero rows from m to m_alloc (a tile reads whole 16-row blocks). On a cache
- * line boundary: a tile row is 64 bytes, and malloc's 16-byte alignment split every one of them
- * over two lines (pk_linear at 256 x 896 x 4,864: 2,044-2,119 GFLOP/s, its tiles alone on aligned
- * rows 2,594-2,631; docs/PERF.md). */
+ * padding column and zero rows from m to m_alloc (a tile reads whole 16-row blocks), on cache
+ * lines (pk_alloc_lines). */
 static uint16_t *round_rows_bf16(const float *a, int64_t lda, int64_t m, int64_t m_alloc, int64_t k, int64_t kp,
                                  int threads) {
-    const size_t bytes = (size_t)(m_alloc * kp + 32) * sizeof(uint16_t);
-    uint16_t *out = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    uint16_t *out = pk_alloc_lines((size_t)(m_alloc * kp + 32) * sizeof(uint16_t));
     if (!out) return NULL;
     memset(out + m * kp, 0, (size_t)((m_alloc - m) * kp + 32) * sizeof(uint16_t));
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 65536)
@@ -416,21 +410,19 @@ static void one_panel_block(void *ctx, int64_t p, int64_t ahead) {
 /* run_panels' threads where a panel alone does not pay: one round of shared panels per (K block,
  * row chunk), in amx_bf16_panels' order (x's block stays in L2 while the panels pass), then a
  * round of the register tiles over the K tail if there is one. The barrier each round starts
- * with (run_shared_panels) keeps a panel's K blocks in order. Rounds take turns between the two
- * halves of `shares` (2 nt): a thread still stealing in round r reads only round r's half, since
- * nobody sets that half again before round r + 2's barrier, which waits for it. */
+ * with keeps a panel's K blocks in order. shares: 2 nt (ShareRounds). */
 static void share_blocks(const Gemm *g, PanelShare *shares, int t, int nt, int64_t panels, int64_t k_tiles) {
-    int round = 0;
+    ShareRounds rounds = {shares, 0};
     amx_tiles_begin();
     for (int64_t k0 = 0; k0 < k_tiles; k0 += AMX_KC)
         for (int64_t row0 = 0; row0 < g->m; row0 += AMX_MC) {
             BlockRun run = {g, k_tiles, k0, row0};
-            run_shared_panels(shares + (round++ & 1) * nt, t, nt, panels, one_panel_block, &run);
+            run_shared_round(&rounds, t, nt, panels, one_panel_block, &run);
         }
     amx_tiles_end();
     if (k_tiles < g->kp) {
         PanelRun run = {g, k_tiles};
-        run_shared_panels(shares + (round & 1) * nt, t, nt, panels, one_register_panel, &run);
+        run_shared_round(&rounds, t, nt, panels, one_register_panel, &run);
     }
 }
 
@@ -445,7 +437,7 @@ static int run_panels(const Gemm *g, const float *bias, int64_t k_tiles, int thr
     const int64_t panels = (n + NR - 1) / NR;
     const int nthreads = panel_threads(g, threads);
     const int alone = !k_tiles || amx_panel_alone_pays(m, k_tiles);
-    const int stealing = PK_PANEL_STEALING && nthreads > 1 && (alone || PK_BLOCK_STEALING);
+    const int stealing = PK_PANEL_STEALING && nthreads > 1;
     PanelShare shares[stealing ? 2 * nthreads : 1];
 #pragma omp parallel num_threads(nthreads)
     {
@@ -670,17 +662,17 @@ static void one_gate_up_panel(void *ctx, int64_t p, int64_t ahead) {
                                 run->gate);
 }
 
-/* pk_mlp's gate/up pass with its gate panels shared out per row chunk of AMX_MC rows (rounds
- * and their two halves of `shares` as in share_blocks), in amx_bf16_gate_up_silu's order. */
+/* pk_mlp's gate/up pass with its gate panels shared out, one round per row chunk of AMX_MC rows,
+ * in amx_bf16_gate_up_silu's order. shares: 2 nt (ShareRounds). */
 static void share_gate_up(uint16_t *act16, const uint16_t *a16, const void *w, int64_t m, int64_t inner,
                           int64_t k32, PanelShare *shares, int t, int nt) {
     float gate[AMX_MC * 32] __attribute__((aligned(64))); /* 32 KiB: this thread's gate block */
-    int round = 0;
+    ShareRounds rounds = {shares, 0};
     amx_tiles_begin();
     for (int64_t row0 = 0; row0 < m; row0 += AMX_MC) {
         GateUpRun run = {act16 + row0 * inner, a16 + row0 * k32, w, m - row0 < AMX_MC ? m - row0 : AMX_MC,
                          inner, k32, gate};
-        run_shared_panels(shares + (round++ & 1) * nt, t, nt, inner / NR, one_gate_up_panel, &run);
+        run_shared_round(&rounds, t, nt, inner / NR, one_gate_up_panel, &run);
     }
     amx_tiles_end();
 }
@@ -707,7 +699,7 @@ int pk_mlp(float *y, const float *x, const void *gate_up, const void *down, cons
     {
         int t, nt;
         thread_slot(&t, &nt);
-        if (PK_PANEL_STEALING && PK_BLOCK_STEALING && nt > 1)
+        if (PK_PANEL_STEALING && nt > 1)
             share_gate_up(act, a16, gate_up, m, inner, d, shares, t, nt);
         else
             amx_bf16_gate_up_silu(act, a16, d, gate_up, m, inner, d, gate_panels * t / nt, gate_panels * (t + 1) / nt);

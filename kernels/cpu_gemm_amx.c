@@ -174,20 +174,11 @@ static int64_t panel_steps(int64_t row0, int64_t row_end, int64_t kc) {
 int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
                     int64_t n, int64_t kp, int64_t k32, int64_t p_begin, int64_t p_end) {
     pk_amx_config_tiles();
-    for (int64_t k0 = 0; k0 < k32; k0 += AMX_KC) {
-        const int64_t kc = k32 - k0 < AMX_KC ? k32 - k0 : AMX_KC;
-        for (int64_t row0 = 0; row0 < m; row0 += AMX_MC) {
-            const int64_t row_end = m - row0 < AMX_MC ? m : row0 + AMX_MC;
-            /* the next panel's K block is kc * 128 bytes = kc * 2 lines */
-            const int64_t steps = panel_steps(row0, row_end, kc);
-            for (int64_t p = p_begin; p < p_end; ++p) {
-                const uint16_t *next = w + (p + 1) * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2;
-                NextPanel np = next_panel(p + 1 < p_end ? next : NULL, kc * 2, steps, row_end - row0);
-                const int64_t col = p * PANEL_COLS;
-                panel_block(y + col, ldc, a16, lda16, w, m, n - col, kp, p, row0, row_end, k0, kc, &np);
-            }
-        }
-    }
+    for (int64_t k0 = 0; k0 < k32; k0 += AMX_KC)
+        for (int64_t row0 = 0; row0 < m; row0 += AMX_MC)
+            for (int64_t p = p_begin; p < p_end; ++p) /* the next panel of the thread's run prefetched */
+                amx_bf16_panel_block(y + p * PANEL_COLS, ldc, a16, lda16, w, m, n - p * PANEL_COLS, kp, k32, p, k0,
+                                     row0, p + 1 < p_end);
     _tile_release();
     return 0;
 }
@@ -197,6 +188,7 @@ void amx_bf16_panel_block(float *y, int64_t ldc, const uint16_t *a16, int64_t ld
     const int64_t kc = k32 - k0 < AMX_KC ? k32 - k0 : AMX_KC;
     const int64_t row_end = m - row0 < AMX_MC ? m : row0 + AMX_MC;
     const uint16_t *next = w + (p + 1) * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2;
+    /* the next panel's K block is kc * 128 bytes = kc * 2 lines */
     NextPanel np = next_panel(prefetch_next ? next : NULL, kc * 2, panel_steps(row0, row_end, kc), row_end - row0);
     panel_block(y, ldc, a16, lda16, w, m, n, kp, p, row0, row_end, k0, kc, &np);
 }

@@ -19,7 +19,7 @@
 /* K rows per tile step (a tile row is 64 bytes: 32 bf16); K past the last multiple of it is
  * left to the caller's AVX-512 path, which adds onto the stored tiles. */
 #define AMX_K_STEP 32
-/* Cache blocking (multiples of 32; measured on a 2-core Sapphire-Rapids-class VM against 512 /
+/* Cache blocking (multiples of 32; measured on the first 2-core AMX VM, model not recorded, against 512 /
  * 512, 256 / 512, 2048 / 256: docs/PERF.md): a K block of a half panel is 32 x 1024 bf16 = 64
  * KiB, AMX_MC rows of x's K block 512 KiB, both within a core's 2 MiB L2. The loops run K block
  * > row chunk > panel, so a caller sharing panels out per (K block, row chunk) keeps that order

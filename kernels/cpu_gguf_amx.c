@@ -110,7 +110,7 @@ static void panel_times_rows(float *y, int64_t ldc, const uint16_t *wd, const ui
 int gg_linear_tiles(float *y, int64_t ldc, const float *x, int64_t lda, const GgPart *parts,
                     const float *bias, int64_t m, int64_t n, int64_t k, int threads) {
     const int64_t mp = (m + 15) / 16 * 16, panels = (n + PANEL_ROWS - 1) / PANEL_ROWS;
-    uint32_t *xp = aligned_alloc(64, (size_t)((k / 2) * mp * (int64_t)sizeof(uint32_t) + 63) / 64 * 64);
+    uint32_t *xp = pk_alloc_lines((size_t)((k / 2) * mp * (int64_t)sizeof(uint32_t)));
     if (!xp) return -1;
     pack_activations(xp, x, lda, m, mp, k, threads);
     const int nthreads = panels < threads ? (int)panels : threads;

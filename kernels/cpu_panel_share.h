@@ -50,4 +50,18 @@ static inline void run_shared_panels(PanelShare *shares, int t, int nt, int64_t 
         for (int64_t p; (p = share_claim(&shares[(t + v) % nt], 1)) >= 0;) work(ctx, p, -1);
 }
 
+/* Rounds of run_shared_panels one after another in one region (a GEMM's (K block, row chunk)
+ * blocks): `shares` holds 2 nt, and round r uses half r % 2. A thread still stealing in round r
+ * reads only that half, which nobody sets again before round r + 2's barrier, and that barrier
+ * waits for it; the barrier each round starts with also orders round r's panels before r + 1's.
+ * Each thread keeps its own ShareRounds (the same `shares`, its own count). */
+typedef struct {
+    PanelShare *shares;
+    int round;
+} ShareRounds;
+
+static inline void run_shared_round(ShareRounds *rounds, int t, int nt, int64_t panels, PanelWork work, void *ctx) {
+    run_shared_panels(rounds->shares + (rounds->round++ & 1) * nt, t, nt, panels, work, ctx);
+}
+
 #endif

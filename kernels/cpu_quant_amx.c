@@ -130,10 +130,8 @@ int pq_linear_tiles(int bits, float *y, int64_t ldc, const int16_t *xq, const fl
     if (block % KSTEP) return -3;
     const int64_t panels = (n + QNR - 1) / QNR, m16 = (m + 15) / 16 * 16, pair_bytes = bits == 4 ? 64 : 128;
     const int nthreads = panels < threads ? (int)panels : threads;
-    /* on cache line boundaries, as a tile row (64 bytes) loads best (cpu_gemm.c's round_rows_bf16) */
-    const size_t x_bytes = (size_t)(m16 * k + 63) / 64 * 64;
-    int8_t *xh = aligned_alloc(64, x_bytes);
-    uint8_t *xl = aligned_alloc(64, x_bytes);
+    int8_t *xh = pk_alloc_lines((size_t)(m16 * k));
+    uint8_t *xl = pk_alloc_lines((size_t)(m16 * k));
     uint8_t *scratch = aligned_alloc(64, (size_t)(nthreads * 64 * k));
     if (!xh || !xl || !scratch) {
         free(xh), free(xl), free(scratch);
