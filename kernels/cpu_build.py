@@ -47,6 +47,7 @@ SOURCES = (
     "cpu_attention_prefill.c",
     "cpu_attention_amx.c",
     "cpu_attention_decode_amx.c",
+    "cpu_gemm_tiles.c",
     "cpu_gemm.c",
     "cpu_gemm_amx.c",
     "cpu_ops.c",
@@ -61,11 +62,13 @@ SOURCES = (
     "cpu_attention.c",
     "cpu_lora.c",
     "cpu_shm.c",
+    "cpu_panel_share.c",
 )
 HEADERS = (
     "cpu_amx.h",
     "cpu_gemm.h",
     "cpu_panel_share.h",
+    "cpu_gemm_tiles.h",
     "cpu_lane_argmax.h",
     "cpu_gemm_amx.h",
     "cpu_simd.h",

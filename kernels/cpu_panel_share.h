@@ -15,10 +15,22 @@
 #define PAGEDKV_CPU_PANEL_SHARE_H
 
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef struct {
     _Alignas(64) uint64_t word; /* a line of its own: the owner's claims do not bounce the others' */
 } PanelShare;
+
+/* This thread's number and the region's thread count. */
+static inline void thread_slot(int *t, int *nt) {
+#ifdef _OPENMP
+    *t = omp_get_thread_num(), *nt = omp_get_num_threads();
+#else
+    *t = 0, *nt = 1;
+#endif
+}
 
 /* Runs panel p; `ahead`: the panel this thread will most likely run next (-1: none), to prefetch. */
 typedef void (*PanelWork)(void *ctx, int64_t p, int64_t ahead);

@@ -63,7 +63,7 @@ def test_pk_linear_matches_float64(ops, dtype, rows, shape):
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 def test_a_row_alone_gives_the_bits_it_gives_in_a_batch(ops, dtype):
-    """A one-row GEMM's tile spans more columns (cpu_gemm.c ROW1_SPAN) than a batch's, but each
+    """A one-row GEMM's tile spans more columns (cpu_gemm_tiles.c ROW1_SPAN) than a batch's, but each
     column is the same sum in the same order: decoding alone or beside other requests gives the
     same tokens. Three rows: below the AMX tiles' minimum, so every variant runs register tiles."""
     gen = torch.Generator().manual_seed(7)
