@@ -31,7 +31,7 @@ from bench.ceilings import QWEN05_SHAPES, best_seconds, packed_gemm_gflops, stre
 from bench.common import TimedWorker, decode_steps_lockstep, engine_for, median
 from bench.report import machine
 from bench.suite_cli import suite_main
-from kernels import cpu_build
+from kernels import cpu_build, cpu_variants
 from pagedkv.heap import frozen_after
 from worker.cpu_weights import PanelLinear
 from worker.worker import Worker
@@ -44,16 +44,16 @@ MODEL = "random:qwen2.5-0.5b"
 def _load_variant(name: str) -> cpu_build.CpuOps:
     """`name`'s kernels as load_cpu_ops would pick them with PAGEDKV_CPU_VARIANT=name (the probe
     included); the process-wide cache is cleared so the next worker gets the next variant."""
-    saved = os.environ.get(cpu_build.VARIANT_ENV)
-    os.environ[cpu_build.VARIANT_ENV] = name
+    saved = os.environ.get(cpu_variants.VARIANT_ENV)
+    os.environ[cpu_variants.VARIANT_ENV] = name
     cpu_build.load_cpu_ops.cache_clear()
     try:
         return cpu_build.load_cpu_ops()
     finally:
         if saved is None:
-            del os.environ[cpu_build.VARIANT_ENV]
+            del os.environ[cpu_variants.VARIANT_ENV]
         else:
-            os.environ[cpu_build.VARIANT_ENV] = saved
+            os.environ[cpu_variants.VARIANT_ENV] = saved
 
 
 def _worker(name: str) -> Worker:
@@ -122,7 +122,7 @@ def run(quick: bool = False) -> dict:
         "threads": torch.get_num_threads(),
         "loadavg_before": open("/proc/loadavg").read().split()[:3],
     }
-    variants, notes = cpu_build.choose_variants()
+    variants, notes = cpu_variants.choose_variants()
     if not {v.name for v in variants} >= set(VARIANTS):
         res["skipped"] = (
             f"this CPU does not run both {' and '.join(VARIANTS)}: {'; '.join(notes) or 'no AMX'}"

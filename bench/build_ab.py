@@ -45,7 +45,7 @@ import torch
 from bench.ceilings import best_seconds, model_gemm_shapes
 from bench.common import decode_steps_lockstep, median, paged_decode_attention, random_decode_layout
 from bench.report import machine
-from kernels import cpu_build
+from kernels import cpu_build, cpu_variants
 from worker.cpu_weights import PanelLinear
 from worker.default_model import PRESETS
 
@@ -70,7 +70,7 @@ def _kernel_sources(rev: str, out_dir: Path) -> Path:
 def build_all(defines: list[str], variant_name: str | None, out_dir: Path) -> dict[str, cpu_build.CpuOps]:
     """One library per `defines` entry, of `variant_name` (default: the best this CPU runs). An
     entry's `@REV` word builds the kernel sources of that git revision instead of the tree's."""
-    variants = cpu_build.usable_variants()
+    variants = cpu_variants.usable_variants()
     variant = next((v for v in variants if v.name == variant_name), None) if variant_name else variants[0]
     if variant is None:
         usable = ", ".join(v.name for v in variants)

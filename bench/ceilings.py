@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kernels.cpu_build import cpu_features
+from kernels.cpu_variants import cpu_features
 
 SOURCE = Path(__file__).with_name("ceilings.c")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedkv-bench"
@@ -119,7 +119,7 @@ def isa_peak_gflops(threads: int = 2, iters: int = 20_000_000, repeats: int = 3)
 def matrix_engine() -> str:
     """What bounds a bf16 GEMM on this CPU: "amx" (flags and the kernel's tile permission, asked
     for this process), "avx512_bf16" (vdpbf16ps) or "fma"."""
-    from kernels.cpu_build import amx_tile_permission  # stdlib only
+    from kernels.cpu_variants import amx_tile_permission  # stdlib only
 
     flags = cpu_features()
     if {"amx_tile", "amx_bf16"} <= flags and amx_tile_permission() is None:

@@ -13,7 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 from bench.peer import report as peer_report
-from kernels.cpu_build import features_in
+from kernels.cpu_variants import features_in
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_build
+from kernels import cpu_build, cpu_variants
 
 REQUIRE_ENV = "PAGEDKV_REQUIRE_CPU_KERNELS"
 
@@ -33,7 +33,7 @@ def variant_ops(tmp_dir: Path) -> dict[str, cpu_build.CpuOps]:
     match, else built into tmp_dir), so each ISA's code path is tested on this machine."""
     out = {}
     cc = cpu_build.compiler_command()
-    for variant in cpu_build.usable_variants():
+    for variant in cpu_variants.usable_variants():
         path = cpu_build.PREBUILT_DIR / f"{variant.name}.so"
         if not cpu_build.key_matches(path, variant, None):
             if cc is None:

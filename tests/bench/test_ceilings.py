@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from bench import ceilings
-from kernels import cpu_build
+from kernels import cpu_variants
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs the host C compiler")
 
@@ -21,7 +21,7 @@ def test_read_bandwidth_small_buffer():
 def test_isa_peaks():
     peaks = ceilings.isa_peak_gflops(threads=1, iters=20_000, repeats=1)
     assert peaks["fp32"] > 0.1
-    if "avx512_bf16" in cpu_build.cpu_features():
+    if "avx512_bf16" in cpu_variants.cpu_features():
         assert peaks["bf16"] > 0.1
     else:
         assert peaks["bf16"] is None

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from control_plane.service import LIVENESS_SERVICE
-from kernels import cpu_build
+from kernels import cpu_build, cpu_variants
 from pagedkv.cli import build_parser, parse_bytes
 from tests.cpu_kernels import unoptimized
 from tests.deploy.unit_files import REPO, SYSTEMD_DIR, read_env_file
@@ -66,7 +66,7 @@ def test_the_cpu_image_ships_prebuilt_kernels(tmp_path):
     # prebuild of every variant is make setup's, checked by test_the_installed_prebuilt_kernels_are_current).
     # Compiled unoptimized (tests.cpu_kernels.unoptimized): what is checked is where pip's build
     # puts the library and its key, not the code; ~10 s instead of ~25 s.
-    picked = cpu_build.usable_variants()[0].name
+    picked = cpu_variants.usable_variants()[0].name
     cc = unoptimized(tmp_path / "launch-O0", (cpu_build.compiler_command() or ["cc"])[0])
     env = {**os.environ, cpu_build.PREBUILD_ENV: picked, "CC": cc}
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",

@@ -11,7 +11,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from kernels import cpu_build
+from kernels import cpu_build, cpu_variants
 from kernels.nvrtc import CompiledProgram
 from kernels.specs import ProgramSpec
 from tests.cpu_kernels import variant_ops
@@ -28,7 +28,7 @@ def all_ops(tmp_path_factory) -> dict[str, cpu_build.CpuOps]:
     return variant_ops(tmp_path_factory.mktemp("cpu-variants"))
 
 
-@pytest.fixture(params=[v.name for v in cpu_build.machine_variants()])
+@pytest.fixture(params=[v.name for v in cpu_variants.machine_variants()])
 def ops(request, all_ops) -> cpu_build.CpuOps:
     """One variant's kernels: a CPU kernel test runs once per variant (skipped, saying why,
     where this CPU cannot run it)."""

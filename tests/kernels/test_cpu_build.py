@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_build
+from kernels import cpu_build, cpu_variants
 from kernels.cpu_build import CpuKernelBuildError
 from tests.cpu_kernels import unoptimized
 from worker.cpu_weights import PanelLinear
 
-GENERIC = next(v for v in cpu_build.machine_variants() if v.name == "generic")
+GENERIC = next(v for v in cpu_variants.machine_variants() if v.name == "generic")
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def prebuilt(tmp_path_factory):
     if cc is None:
         pytest.skip("no C compiler on this machine")
     out = tmp_path_factory.mktemp("prebuilt")
-    refused = cpu_build.Variant("refused", ("-mno-such-option-anywhere",), frozenset())
+    refused = cpu_variants.Variant("refused", ("-mno-such-option-anywhere",), frozenset())
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(printed):
         mp.setenv("CC", unoptimized(out.parent / "launch-O0", cc[0]))
@@ -92,18 +92,18 @@ def amx_probe(monkeypatch):
             return self.answer
 
     probe = Probe()
-    monkeypatch.setitem(cpu_build.RUNTIME_PROBES, "amx", probe)
-    monkeypatch.setattr(cpu_build.platform, "machine", lambda: "x86_64")
-    monkeypatch.delenv(cpu_build.VARIANT_ENV, raising=False)
+    monkeypatch.setitem(cpu_variants.RUNTIME_PROBES, "amx", probe)
+    monkeypatch.setattr(cpu_variants.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv(cpu_variants.VARIANT_ENV, raising=False)
     return probe
 
 
-X86 = {v.name: v for v in cpu_build.VARIANTS["x86_64"]}
+X86 = {v.name: v for v in cpu_variants.VARIANTS["x86_64"]}
 AMX_FLAGS = X86["avx512amx"].requires
 
 
 def test_amx_is_chosen_when_the_flags_are_there_and_the_kernel_grants_the_tiles(amx_probe):
-    variants, notes = cpu_build.choose_variants(AMX_FLAGS)
+    variants, notes = cpu_variants.choose_variants(AMX_FLAGS)
     assert [v.name for v in variants][:2] == ["avx512amx", "avx512bf16"] and notes == []
     assert amx_probe.calls == 1
 
@@ -112,39 +112,40 @@ def test_a_refused_tile_permission_falls_back_with_the_reason(amx_probe):
     amx_probe.answer = (
         "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: Invalid argument)"
     )
-    variants, notes = cpu_build.choose_variants(AMX_FLAGS)
+    variants, notes = cpu_variants.choose_variants(AMX_FLAGS)
     assert variants[0].name == "avx512bf16"
     assert notes == [f"avx512amx not used: {amx_probe.answer}"]
 
 
 def test_missing_amx_flags_fall_back_without_asking_the_kernel(amx_probe):
     without = AMX_FLAGS - {"amx_tile"}
-    variants, notes = cpu_build.choose_variants(without)
+    variants, notes = cpu_variants.choose_variants(without)
     assert variants[0].name == "avx512bf16" and amx_probe.calls == 0
     assert notes == ["avx512amx not used: needs CPU features this CPU lacks: amx_tile"]
     # an AMD EPYC's flags (AVX-512 BF16, no AMX): the same fallback, the same kind of note
     epyc = X86["avx512bf16"].requires
-    variants, notes = cpu_build.choose_variants(epyc)
+    variants, notes = cpu_variants.choose_variants(epyc)
     assert variants[0].name == "avx512bf16" and "amx_bf16, amx_int8, amx_tile" in notes[0]
 
 
 def test_a_forced_amx_variant_is_probed_too(amx_probe, monkeypatch):
-    monkeypatch.setenv(cpu_build.VARIANT_ENV, "avx512amx")
-    assert [v.name for v in cpu_build.usable_variants(AMX_FLAGS)] == ["avx512amx"]
+    monkeypatch.setenv(cpu_variants.VARIANT_ENV, "avx512amx")
+    assert [v.name for v in cpu_variants.usable_variants(AMX_FLAGS)] == ["avx512amx"]
     amx_probe.answer = "refused by a seccomp filter"
     with pytest.raises(
         CpuKernelBuildError, match="PAGEDKV_CPU_VARIANT=avx512amx refused by a seccomp filter"
     ):
-        cpu_build.usable_variants(AMX_FLAGS)
-    monkeypatch.setenv(cpu_build.VARIANT_ENV, "avx512bf16")  # forcing the older variant skips the probe
+        cpu_variants.usable_variants(AMX_FLAGS)
+    monkeypatch.setenv(cpu_variants.VARIANT_ENV, "avx512bf16")  # forcing the older variant skips the probe
     amx_probe.calls = 0
-    assert [v.name for v in cpu_build.usable_variants(AMX_FLAGS)] == ["avx512bf16"] and amx_probe.calls == 0
+    assert [v.name for v in cpu_variants.usable_variants(AMX_FLAGS)] == ["avx512bf16"]
+    assert amx_probe.calls == 0
 
 
 def test_the_reason_amx_was_passed_over_reaches_the_origin(amx_probe, monkeypatch, tmp_path):
     """What forward_kernels and the ready line print: "avx512bf16 (prebuilt; avx512amx not used: ...)"."""
     amx_probe.answer = "refused"
-    monkeypatch.setattr(cpu_build, "cpu_features", lambda: AMX_FLAGS)
+    monkeypatch.setattr(cpu_variants, "cpu_features", lambda: AMX_FLAGS)
     monkeypatch.setattr(cpu_build, "key_matches", lambda path, variant, _: variant.name == "avx512bf16")
     path, variant, origin = cpu_build.find_or_build(tmp_path / "cache", tmp_path / "prebuilt")
     assert (variant.name, origin) == ("avx512bf16", "prebuilt; avx512amx not used: refused")
@@ -154,7 +155,7 @@ TILE_RUN = """
 import ctypes, sys
 from kernels import cpu_build
 if sys.argv[2] == "ask":
-    assert cpu_build.amx_tile_permission() is None
+    assert cpu_variants.amx_tile_permission() is None
 lib = ctypes.CDLL(sys.argv[1])
 x, y = (ctypes.c_float * (16 * 32))(*[1.0] * 512), (ctypes.c_float * (16 * 64))()
 w = (ctypes.c_uint16 * (64 * 32))()
@@ -172,8 +173,8 @@ def test_the_tiles_need_the_kernels_permission_and_the_probe_gets_it(tmp_path):
     import subprocess
     import sys
 
-    answer = cpu_build.amx_tile_permission()
-    if not {"amx_tile", "amx_bf16"} <= cpu_build.cpu_features() or answer is not None:
+    answer = cpu_variants.amx_tile_permission()
+    if not {"amx_tile", "amx_bf16"} <= cpu_variants.cpu_features() or answer is not None:
         assert answer is None or isinstance(answer, str)
         pytest.skip(f"no AMX tiles to run here: {answer or 'the CPU lacks the amx_tile/amx_bf16 flags'}")
     variant = X86["avx512amx"]
@@ -192,34 +193,34 @@ def test_the_tiles_need_the_kernels_permission_and_the_probe_gets_it(tmp_path):
 
 
 def test_variants_follow_the_running_cpu(monkeypatch):
-    monkeypatch.delenv(cpu_build.VARIANT_ENV, raising=False)
-    monkeypatch.setitem(cpu_build.RUNTIME_PROBES, "amx", lambda: None)  # flags decide here, not this kernel
-    names = [v.name for v in cpu_build.machine_variants()]
-    assert [v.name for v in cpu_build.usable_variants(frozenset())] == ["generic"]
-    everything = frozenset().union(*(v.requires for v in cpu_build.machine_variants()))
-    assert [v.name for v in cpu_build.usable_variants(everything)] == names  # best first
+    monkeypatch.delenv(cpu_variants.VARIANT_ENV, raising=False)
+    monkeypatch.setitem(cpu_variants.RUNTIME_PROBES, "amx", lambda: None)  # flags decide here, not the kernel
+    names = [v.name for v in cpu_variants.machine_variants()]
+    assert [v.name for v in cpu_variants.usable_variants(frozenset())] == ["generic"]
+    everything = frozenset().union(*(v.requires for v in cpu_variants.machine_variants()))
+    assert [v.name for v in cpu_variants.usable_variants(everything)] == names  # best first
     if "avx2" in names:
-        avx2_only = next(v for v in cpu_build.VARIANTS["x86_64"] if v.name == "avx2").requires
-        assert [v.name for v in cpu_build.usable_variants(avx2_only)] == ["avx2", "generic"]
+        avx2_only = next(v for v in cpu_variants.VARIANTS["x86_64"] if v.name == "avx2").requires
+        assert [v.name for v in cpu_variants.usable_variants(avx2_only)] == ["avx2", "generic"]
 
 
 def test_a_forced_variant_is_checked_against_the_cpu(monkeypatch):
-    monkeypatch.setenv(cpu_build.VARIANT_ENV, "generic")
-    assert [v.name for v in cpu_build.usable_variants(frozenset())] == ["generic"]
-    best = cpu_build.machine_variants()[0]
+    monkeypatch.setenv(cpu_variants.VARIANT_ENV, "generic")
+    assert [v.name for v in cpu_variants.usable_variants(frozenset())] == ["generic"]
+    best = cpu_variants.machine_variants()[0]
     if best.requires:
-        monkeypatch.setenv(cpu_build.VARIANT_ENV, best.name)
+        monkeypatch.setenv(cpu_variants.VARIANT_ENV, best.name)
         with pytest.raises(CpuKernelBuildError, match="needs CPU features this CPU lacks"):
-            cpu_build.usable_variants(frozenset())
-    monkeypatch.setenv(cpu_build.VARIANT_ENV, "sparc")
+            cpu_variants.usable_variants(frozenset())
+    monkeypatch.setenv(cpu_variants.VARIANT_ENV, "sparc")
     with pytest.raises(CpuKernelBuildError, match="not a variant of this machine"):
-        cpu_build.usable_variants(frozenset())
+        cpu_variants.usable_variants(frozenset())
 
 
 def test_prebuilt_wins_then_a_start_time_build_then_the_cache(monkeypatch, tmp_path, generic_lib, cc):
     """The start-time build runs through CC="launcher gcc -m64": a launcher (standing in for
     ccache), a compiler and a flag are a command, not a file name."""
-    monkeypatch.setenv(cpu_build.VARIANT_ENV, "generic")
+    monkeypatch.setenv(cpu_variants.VARIANT_ENV, "generic")
     calls = tmp_path / "launch.log"
     flag = "-m64" if os.uname().machine == "x86_64" else "-O2"
     monkeypatch.setenv("CC", f"{unoptimized(tmp_path / 'launch', cc[0], calls)} {flag}")
@@ -246,7 +247,7 @@ def test_no_prebuilt_and_no_compiler_says_so(monkeypatch, tmp_path):
 
 
 def test_an_unwritable_cache_is_a_reason_not_a_traceback(monkeypatch, tmp_path, cc):
-    monkeypatch.setenv(cpu_build.VARIANT_ENV, "generic")
+    monkeypatch.setenv(cpu_variants.VARIANT_ENV, "generic")
     blocker = tmp_path / "file"
     blocker.write_text("a file where the cache directory should be")
     with pytest.raises(CpuKernelBuildError, match="cannot write CPU kernels to"):
@@ -259,7 +260,7 @@ def test_clang_builds_the_same_kernels(tmp_path):
     clang = shutil.which("clang")
     if clang is None:
         pytest.skip("clang is not installed (.ci/run installs it where apt can)")
-    variant = cpu_build.usable_variants()[0]
+    variant = cpu_variants.usable_variants()[0]
     path = cpu_build.compile_variant(variant, tmp_path / f"{variant.name}.so", [clang])
     ops = cpu_build.CpuOps(path, variant.name, "test")
     weight, x = torch.randn(100, 64).to(torch.bfloat16), torch.randn(3, 64)
@@ -291,7 +292,7 @@ def test_prebuild_variants_can_be_named(monkeypatch, tmp_path):
 def test_the_installed_prebuilt_kernels_are_current():
     """make setup prebuilt kernels for this tree; stale ones would silently cost a start-time
     build (or, on a compiler-less image, the fast path)."""
-    variant = cpu_build.usable_variants()[0]
+    variant = cpu_variants.usable_variants()[0]
     path = cpu_build.PREBUILT_DIR / f"{variant.name}.so"
     if not path.exists() and cpu_build.compiler_command() is None:
         pytest.skip("no prebuilt kernels and no compiler here")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels import cpu_build
+from kernels import cpu_build, cpu_variants
 from tests.worker.worker_test_utils import PlanDriver, make_worker
 
 VARIANTS = ("avx512amx", "avx512bf16")
@@ -21,12 +21,12 @@ SEQS = 18  # decode rows: one full 16-row tile and a partial one
 @pytest.fixture
 def forced(monkeypatch):
     """Pin the next worker's kernels to a variant; the process cache is cleared around it."""
-    variants, notes = cpu_build.choose_variants()
+    variants, notes = cpu_variants.choose_variants()
     if not set(VARIANTS) <= {v.name for v in variants}:
         pytest.skip(f"this CPU does not run AMX tiles: {'; '.join(notes) or 'no avx512amx variant here'}")
 
     def force(name: str) -> None:
-        monkeypatch.setenv(cpu_build.VARIANT_ENV, name)
+        monkeypatch.setenv(cpu_variants.VARIANT_ENV, name)
         cpu_build.load_cpu_ops.cache_clear()
 
     yield force
