@@ -174,7 +174,6 @@ int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, con
         g.a16 = rounded, g.lda16 = kp;
     }
 #else
-    (void)round_rows_bf16;
     if (dtype == DT_BF16 && kp != k) return -2; /* odd K: the wide path reads x[k] for the pad */
 #endif
     const int status = run_panels(&g, bias, k_tiles, threads);

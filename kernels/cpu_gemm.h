@@ -31,9 +31,4 @@ typedef void (*PkChunkDecoder)(const void *weight, uint16_t *chunk, int64_t n0, 
 int pk_linear_decoded(float *y, int64_t ldc, const float *x, int64_t lda, PkChunkDecoder decode, const void *weight,
                       const float *bias, int64_t m, int64_t n, int64_t k, int64_t k_step, int threads);
 
-/* The panel sharing of pk_linear's threads (cpu_panel_share.h), checked: `panels` panels among
- * `threads` threads, thread 0 spinning slow_ns per panel it runs. runner[p] = the thread that ran
- * panel p, runs[p] += 1 per run. Returns the number of threads the region had. */
-int pk_panel_share_check(int64_t panels, int threads, int64_t slow_ns, int32_t *runner, int32_t *runs);
-
 #endif

@@ -1,13 +1,9 @@
 /* run_shared_panels (cpu_panel_share.h) checked from Python: which thread ran each panel. */
 #include <time.h>
 
-#include "cpu_gemm.h"
 #include "cpu_panel_share.h"
 
-/* run_shared_panels' check (tests/kernels/test_cpu_panel_share.py): `panels` panels shared out
- * among `threads` threads, thread 0 spinning slow_ns per panel it runs so the others steal from
- * it. runner[p]: the thread that ran panel p (left as it was if none did); runs[p] += each run.
- * Returns the region's thread count. */
+/* What each panel of the check does (runner, runs, slow_ns: cpu_panel_share.h). */
 typedef struct {
     int32_t *runner, *runs;
     int64_t slow_ns;

@@ -76,4 +76,9 @@ static inline void run_shared_round(ShareRounds *rounds, int t, int nt, int64_t 
     run_shared_panels(rounds->shares + (rounds->round++ & 1) * nt, t, nt, panels, work, ctx);
 }
 
+/* run_shared_panels checked (cpu_panel_share.c, tests/kernels/test_cpu_panel_share.py): `panels`
+ * panels among `threads` threads, thread 0 spinning slow_ns per panel it runs. runner[p] = the
+ * thread that ran panel p, runs[p] += 1 per run. Returns the number of threads the region had. */
+int pk_panel_share_check(int64_t panels, int threads, int64_t slow_ns, int32_t *runner, int32_t *runs);
+
 #endif
