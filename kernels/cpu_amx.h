@@ -2,7 +2,8 @@
  * attention): whether this build targets the tiles, and the one tile configuration both use.
  * Compiled into every variant; only the avx512amx variant (-mamx-tile -mamx-bf16) has
  * PK_HAVE_AMX, and kernels/cpu_build.py picks it only after the kernel granted this process the
- * tile state (ARCH_REQ_XCOMP_PERM). */
+ * tile state (ARCH_REQ_XCOMP_PERM). The tests' AMX_EMULATED build has it too, its tile
+ * instructions run in software (cpu_amx_emulate.h). */
 #ifndef PAGEDKV_CPU_AMX_H
 #define PAGEDKV_CPU_AMX_H
 
@@ -16,9 +17,18 @@
  * Freed with free(). */
 static inline void *pk_alloc_lines(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if (defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(PK_AMX_EMULATE)
 #define PK_HAVE_AMX 1
 #include <immintrin.h>
+#ifdef PK_AMX_EMULATE
+#include "cpu_amx_emulate.h" /* the tests' software tiles (kernels/cpu_variants.py AMX_EMULATED) */
+#endif
+/* The int8 tiles (tdpbsud, tdpbuud: cpu_quant_amx.c). */
+#if defined(__AMX_INT8__) || defined(PK_AMX_EMULATE)
+#define PK_HAVE_AMX_INT8 1
+#else
+#define PK_HAVE_AMX_INT8 0
+#endif
 
 typedef struct {
     uint8_t palette_id;
@@ -44,6 +54,7 @@ static inline void pk_amx_config_tiles(void) {
 }
 #else
 #define PK_HAVE_AMX 0
+#define PK_HAVE_AMX_INT8 0
 #endif
 
 #endif

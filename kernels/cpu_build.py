@@ -63,9 +63,11 @@ SOURCES = (
     "cpu_lora.c",
     "cpu_shm.c",
     "cpu_panel_share.c",
+    "cpu_amx_emulate.c",
 )
 HEADERS = (
     "cpu_amx.h",
+    "cpu_amx_emulate.h",
     "cpu_gemm.h",
     "cpu_panel_share.h",
     "cpu_gemm_tiles.h",

@@ -29,7 +29,7 @@
 #include "cpu_quant.h"
 #include "cpu_simd.h"
 
-#if PK_HAVE_AMX && defined(__AMX_INT8__)
+#if PK_HAVE_AMX && PK_HAVE_AMX_INT8
 #define QNR 64     /* columns per panel (cpu_quant.c) */
 #define KSTEP 64   /* int8 k per tile step */
 

@@ -65,6 +65,16 @@ VARIANTS = {
 }
 GENERIC = (Variant("generic", (), frozenset()),)  # any other machine: the compiler's default target
 
+# Tests only, never chosen at start: avx512amx's kernels with every tile instruction run in
+# software (kernels/cpu_amx_emulate.h), so the tile kernels' layouts, strides and clipping are
+# tested on CPUs without AMX (slow; it shows nothing of the tiles' speed). It needs what the
+# avx512amx variant's AVX-512 code needs.
+AMX_EMULATED = Variant(
+    "avx512amx-emulated",
+    (*_BF16, "-DPK_AMX_EMULATE"),
+    frozenset(_V4 | {"avx512_bf16", "avx512_vnni"}),
+)
+
 
 # -- checks beyond the CPU's flags --------------------------------------------------------------
 ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL_X86_64 = 0x1023, 18, 158

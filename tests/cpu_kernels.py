@@ -4,6 +4,7 @@ that skip into a failure: a broken build must fail CI, not hide as skips."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -28,9 +29,16 @@ def load_ops() -> cpu_build.CpuOps:
         unavailable(str(exc))
 
 
+AMX = "avx512amx"
+EMULATED_ORIGIN = "test: every tile instruction emulated in software (kernels/cpu_amx_emulate.h)"
+EMULATED_BECAUSE: list[str] = []  # why AMX itself did not run, once the emulated build loaded
+
+
 def variant_ops(tmp_dir: Path) -> dict[str, cpu_build.CpuOps]:
     """Every variant this CPU can run, loaded side by side (the prebuilt ones where their keys
-    match, else built into tmp_dir), so each ISA's code path is tested on this machine."""
+    match, else built into tmp_dir), so each ISA's code path is tested on this machine. Where
+    the CPU (or its kernel) runs no AMX tiles but the avx512amx variant's AVX-512 code, "avx512amx"
+    is the emulated build (its origin says so): the tile kernels' layout math is tested anyway."""
     out = {}
     cc = cpu_build.compiler_command()
     for variant in cpu_variants.usable_variants():
@@ -42,7 +50,26 @@ def variant_ops(tmp_dir: Path) -> dict[str, cpu_build.CpuOps]:
         out[variant.name] = cpu_build.CpuOps(path, variant.name, "test")
     if not out:
         unavailable("no variant could be loaded or built")
+    emulated = None if AMX in out else emulated_amx_library(cc)
+    if emulated is not None:
+        out[AMX] = cpu_build.CpuOps(emulated, AMX, EMULATED_ORIGIN)
     return out
+
+
+def emulated_amx_library(cc: list[str] | None) -> Path | None:
+    """The AMX_EMULATED build (from the kernel cache, built there once per source change), or
+    None where this CPU cannot run its AVX-512 code or no compiler is here."""
+    variant = cpu_variants.AMX_EMULATED
+    if cc is None or not variant.requires <= cpu_variants.cpu_features():
+        return None
+    identity = cpu_build.compiler_identity(cc)
+    path = cpu_build.jit_path(variant, identity)
+    if not cpu_build.key_matches(path, variant, identity):
+        cpu_build.compile_variant(variant, path, cc)
+    if not EMULATED_BECAUSE:
+        notes = cpu_variants.choose_variants()[1]
+        EMULATED_BECAUSE.append("; ".join(notes) or f"this CPU does not run the {AMX} variant")
+    return path
 
 
 def unoptimized(launcher: Path, compiler: str, log: Path | None = None) -> str:
@@ -55,3 +82,11 @@ def unoptimized(launcher: Path, compiler: str, log: Path | None = None) -> str:
     launcher.write_text(f'#!/bin/sh\n{record}exec "$@" -O0\n')
     launcher.chmod(0o755)
     return f"{launcher} {compiler}"
+
+
+@functools.cache
+def emulated_amx_ops() -> cpu_build.CpuOps | None:
+    """The AMX_EMULATED build loaded as "avx512amx" (its origin says emulated), once per process;
+    None where it cannot be built or run here."""
+    library = emulated_amx_library(cpu_build.compiler_command())
+    return None if library is None else cpu_build.CpuOps(library, AMX, EMULATED_ORIGIN)

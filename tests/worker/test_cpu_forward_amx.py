@@ -5,14 +5,18 @@ tokens and its logits agree to 2 % of their range: both multiply x rounded to bf
 bf16 weights, but the tiles add the products in another order, and an fp32 difference of one ulp
 can move an activation's bf16 rounding by one bf16 ulp (2^-8) before the next layer's GEMM, so
 the layers compound ~0.2 % (measured), not fp32 rounding. The worker reports which variant
-ran. Where this CPU or kernel has no AMX tiles, the test skips saying why."""
+ran. Where this CPU or kernel has no AMX tiles, the worker runs the emulated tile build
+(kernels/cpu_amx_emulate.h: the same layouts, each tile instruction in software); where that
+cannot run either, the test skips saying why."""
 
 from __future__ import annotations
 
 import pytest
 
 from kernels import cpu_build, cpu_variants
+from tests.cpu_kernels import emulated_amx_ops
 from tests.worker.worker_test_utils import PlanDriver, make_worker
+from worker import cpu_forward
 
 VARIANTS = ("avx512amx", "avx512bf16")
 SEQS = 18  # decode rows: one full 16-row tile and a partial one
@@ -22,12 +26,22 @@ SEQS = 18  # decode rows: one full 16-row tile and a partial one
 def forced(monkeypatch):
     """Pin the next worker's kernels to a variant; the process cache is cleared around it."""
     variants, notes = cpu_variants.choose_variants()
-    if not set(VARIANTS) <= {v.name for v in variants}:
-        pytest.skip(f"this CPU does not run AMX tiles: {'; '.join(notes) or 'no avx512amx variant here'}")
+    names = {v.name for v in variants}
+    emulated = None if set(VARIANTS) <= names else emulated_amx_ops()
+    if emulated is None and not set(VARIANTS) <= names:
+        pytest.skip(
+            f"this CPU does not run AMX tiles or their emulation: {'; '.join(notes) or 'no avx512amx'}"
+        )
+    if emulated is not None and VARIANTS[1] not in names:
+        pytest.skip(f"this CPU does not run the {VARIANTS[1]} variant to compare with")
 
     def force(name: str) -> None:
-        monkeypatch.setenv(cpu_variants.VARIANT_ENV, name)
         cpu_build.load_cpu_ops.cache_clear()
+        if emulated is not None and name == "avx512amx":
+            monkeypatch.setattr(cpu_forward, "load_cpu_ops", lambda: emulated)
+            return
+        monkeypatch.setattr(cpu_forward, "load_cpu_ops", cpu_build.load_cpu_ops)
+        monkeypatch.setenv(cpu_variants.VARIANT_ENV, name)
 
     yield force
     cpu_build.load_cpu_ops.cache_clear()
