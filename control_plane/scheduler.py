@@ -30,7 +30,7 @@ import heapq
 from collections.abc import Collection
 
 from base.logs import get_logger
-from base.plan import ContinuingSequence, KVLayout, NewSequence, Plan, SamplingParams, WorkerInfo
+from base.plan import KVLayout, Plan, SamplingParams, WorkerInfo
 from control_plane.beam_search import BeamSearch
 from control_plane.block_hash import extra_keys as make_extra_keys
 from control_plane.errors import (
@@ -44,15 +44,16 @@ from control_plane.request import FinishReason, Request, RequestOutput, SeqStatu
 from control_plane.request_checks import check_request
 from control_plane.scheduler_beams import SchedulerBeams, to_compute
 from control_plane.scheduler_config import SchedulerConfig
+from control_plane.scheduler_emit import SchedulerEmit
 from control_plane.scheduler_queries import SchedulerQueries
 from control_plane.scheduler_update import SchedulerUpdate
-from control_plane.speculation import DRAFT_SLOT, Speculator
+from control_plane.speculation import Speculator
 from control_plane.stats import AllocationRate
 
 log = get_logger("pagedkv.scheduler")
 
 
-class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
+class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries, SchedulerEmit):
     def __init__(self, config: SchedulerConfig, worker_info: WorkerInfo) -> None:
         config.validate()
         self.config = config
@@ -327,79 +328,6 @@ class Scheduler(SchedulerBeams, SchedulerUpdate, SchedulerQueries):
         it forked (found by the CI soak)."""
         return sum(_seats(s) for s in self.running)
 
-    def _emit(
-        self, plan: Plan, seq: Sequence, num_new: int, alloc: Allocation, proposals: list[int] = ()
-    ) -> None:
-        """`proposals`: a speculative verify's (its inputs: the newest known token, then them)."""
-        start = seq.num_computed_tokens
-        feed = start >= seq.num_tokens  # its input is the newest pending sample (overlap)
-        num_spec = len(proposals)
-        drafted = False
-        tokens = [] if feed else seq.token_ids[start : start + num_new - num_spec]
-        if num_spec:
-            if feed or not seq.synced:
-                raise AssertionError(f"sequence {seq.seq_id}: speculating without its input token known")
-            drafted = proposals[0] == DRAFT_SLOT  # the worker's draft fills them
-            if not drafted:
-                tokens.extend(proposals)
-            seq.spec_in_flight = num_spec
-        seq.num_computed_tokens = start + num_new
-        sample = num_spec > 0 or seq.num_computed_tokens == seq.num_tokens + seq.num_pending
-        if sample:
-            seq.num_pending += 1
-        table = self.kv.tables[seq.seq_id]
-        if alloc.copies:
-            plan.copies.extend(alloc.copies)
-        req = seq.request
-        fan_out = 1
-        candidates = req.beam.num_candidates if (sample and req.beam is not None) else 0
-        if sample and req.sampling.n > 1 and not req.fan_out_planned and not candidates:
-            fan_out, req.fan_out_planned = req.sampling.n, True
-        if not seq.synced:
-            if feed:
-                raise AssertionError(f"sequence {seq.seq_id}: a pending sample fed to an unsynced mirror")
-            plan.new.append(
-                NewSequence(
-                    seq.seq_id,
-                    [b.block_id for b in table],
-                    tokens,
-                    start,
-                    req.sampling,
-                    sample,
-                    seq.sample_index,
-                    fan_out,
-                    candidates,
-                    req.num_prompt_tokens,
-                    seq.token_ids[:start] if _needs_history(req.sampling) else [],
-                    _next_prompt_token(seq, start + len(tokens)),
-                    [image.for_plan(start) for image in req.images],
-                    req.adapter,
-                )
-            )
-            seq.synced = True
-        else:
-            synced = seq.num_synced_blocks
-            new_ids = [b.block_id for b in table[synced:]] if len(table) > synced else []
-            plan.continuing.append(
-                ContinuingSequence(
-                    seq.seq_id,
-                    new_ids,
-                    alloc.replaced,
-                    tokens,
-                    start,
-                    sample,
-                    fan_out,
-                    feed,
-                    candidates,
-                    _next_prompt_token(seq, start + len(tokens)),
-                    num_speculative_tokens=0 if drafted else num_spec,
-                    num_draft_tokens=num_spec if drafted else 0,
-                    num_released_blocks=self.kv.num_released.get(seq.seq_id, 0),
-                )  # fmt: skip
-            )
-        seq.num_synced_blocks = len(table)
-        self.kv.note_scheduled(seq)
-
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks (full ones stay cached) and wait again."""
         self.kv.free(seq)
@@ -431,17 +359,3 @@ def _seats(seq: Sequence) -> int:
     req = seq.request
     width = req.sampling.beam_width if req.beam is not None else req.sampling.n
     return width if (width > 1 and not req.forked) else 1
-
-
-def _next_prompt_token(seq: Sequence, end: int) -> int | None:
-    """Prompt logprobs: the token after a chunk that ends inside the prompt (its last position
-    predicts it); None when not asked or the chunk reaches the prompt's end."""
-    if seq.request.sampling.prompt_logprobs is None or end >= seq.num_prompt_tokens:
-        return None
-    return seq.token_ids[end]
-
-
-def _needs_history(sampling) -> bool:
-    """Penalties count the tokens before start_pos; a constrained sequence replays the generated
-    ones among them into a fresh grammar matcher (a resumed sequence's prefix-cache hits)."""
-    return sampling.has_penalties or sampling.structured is not None
