@@ -57,6 +57,7 @@ SOURCES = (
     "cpu_gguf_amx.c",
     "cpu_gguf_panels.c",
     "cpu_gguf_vnni.c",
+    "cpu_gguf_strip.c",
     "cpu_sampling.c",
     "cpu_decoder.c",
     "cpu_attention.c",
@@ -81,6 +82,7 @@ HEADERS = (
     "cpu_lora.h",
     "cpu_gguf.h",
     "cpu_gguf_blocks.h",
+    "cpu_gguf_strip.h",
     "cpu_quant.h",
 )
 BASE_OPTIONS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
