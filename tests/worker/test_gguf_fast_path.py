@@ -12,6 +12,8 @@ Builds with AVX-512 VNNI and no AMX run the same int8 math from 4 rows on VNNI s
 (kernels/cpu_gguf_vnni.c): the 4-stream steps below are such steps there. The avx2 and avx512
 builds decode steps of 8+ rows to bf16 panels (kernels/cpu_gguf_panels.c); their 4-stream steps
 stay on the integer path, and tests/kernels/test_cpu_gguf.py holds the panels to their bf16 math.
+Where this CPU runs no AMX tiles, the test runs a second time on the emulated tile build
+(kernels/cpu_amx_emulate.h), so the tiles' path through a whole model is checked everywhere.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
+from tests.cpu_kernels import emulated_amx_ops
 from tests.gguf_blocks import encode
 from tests.worker.worker_test_utils import (
     VOCAB,
@@ -30,6 +33,7 @@ from tests.worker.worker_test_utils import (
     make_worker,
     teacher_forced,
 )
+from worker import cpu_forward
 from worker.cpu_gguf_linear import GgufLinear
 from worker.model import CausalLM
 
@@ -126,8 +130,27 @@ def agreement(ours: torch.Tensor, oracle: torch.Tensor) -> float:
     return (ours.argmax(-1) == oracle.argmax(-1)).float().mean().item()
 
 
+@pytest.fixture(params=["this CPU's kernels", "emulated AMX tiles"])
+def kernels(request, monkeypatch):
+    """The fast forward's kernels: the build this CPU picks, or (where that is not avx512amx) the
+    emulated tile build, loaded by the worker in its place."""
+    if request.param == "emulated AMX tiles":
+        from kernels.cpu_build import CpuKernelBuildError, load_cpu_ops
+
+        emulated = emulated_amx_ops()
+        if emulated is None:
+            pytest.skip("the emulated AMX build cannot run here (it needs the avx512bf16 variant's ISA)")
+        try:
+            if load_cpu_ops().variant == emulated.variant:
+                pytest.skip("this CPU runs the AMX tiles themselves (the other parameter)")
+        except CpuKernelBuildError as exc:
+            pytest.skip(f"no fast CPU kernels here: {exc}")
+        monkeypatch.setattr(cpu_forward, "load_cpu_ops", lambda: emulated)
+    return request.param
+
+
 @pytest.mark.parametrize("mix", ["Q4_1", "Q4_K_M", "Q8_0"])
-def test_gguf_blocks_teacher_forced_top1_agreement(monkeypatch, checkpoint_dir, mix):
+def test_gguf_blocks_teacher_forced_top1_agreement(monkeypatch, checkpoint_dir, mix, kernels):
     fast = gguf_worker(monkeypatch, checkpoint_dir, MIXES[mix], fast=True)
     forward = fast.fast_forward
     assert isinstance(forward.layers[0].qkv, GgufLinear) and isinstance(forward.lm_head, GgufLinear)
@@ -136,6 +159,7 @@ def test_gguf_blocks_teacher_forced_top1_agreement(monkeypatch, checkpoint_dir, 
     streams = [[rng.randrange(VOCAB) for _ in range(48)] for _ in range(4)]
     ours = teacher_forced(fast, streams)
     tiles = forward.ops.variant == "avx512amx"  # 4 rows a step: the tiles' bf16 math there
+    assert tiles or kernels != "emulated AMX tiles"
     emulate = emulate_tiles if tiles else emulate_int8_activations
     emulated = teacher_forced(
         gguf_worker(monkeypatch, checkpoint_dir, MIXES[mix], fast=False, emulate=emulate), streams
