@@ -51,7 +51,7 @@ proto: $(PROTO_STAMP)
 # of time so that a runtime without a compiler serves on them; the worker picks the variant by
 # the running CPU and rebuilds at start only if these are missing or stale.
 $(KERNEL_STAMP): $(KERNEL_SRC) $(STAMP)
-	$(PY) -m kernels.cpu_build --prebuild
+	$(PY) -m kernels.cpu_build --prebuild-tests
 	touch $@
 
 # The main job: worker + control plane as two supervised processes on the embedded default

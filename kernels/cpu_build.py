@@ -37,7 +37,14 @@ from functools import cache
 from pathlib import Path
 
 from kernels.cache_dir import default_cache_dir
-from kernels.cpu_variants import CpuKernelBuildError, Variant, choose_variants, machine_variants
+from kernels.cpu_variants import (
+    AMX_EMULATED,
+    CpuKernelBuildError,
+    Variant,
+    choose_variants,
+    cpu_features,
+    machine_variants,
+)
 
 HERE = Path(__file__).resolve().parent
 # Translation units, the slowest first: they compile in parallel (one compiler per core), then link.
@@ -373,10 +380,15 @@ def load_cpu_ops() -> CpuOps:
 
 
 if __name__ == "__main__":
-    # `python -m kernels.cpu_build --prebuild [DIR]`: what make setup runs.
-    if len(sys.argv) >= 2 and sys.argv[1] == "--prebuild":
+    # `python -m kernels.cpu_build --prebuild [DIR]`: what make setup runs. `--prebuild-tests`:
+    # also the tests' emulated AMX build (never a worker's; not in wheels), where its ISA runs here.
+    if len(sys.argv) >= 2 and sys.argv[1] in ("--prebuild", "--prebuild-tests"):
         target = Path(sys.argv[2]) if len(sys.argv) > 2 else PREBUILT_DIR
-        print(f"pagedkv: CPU kernels prebuilt in {target}: {', '.join(prebuild(target)) or 'none'}")
+        variants = _prebuild_variants()
+        if sys.argv[1] == "--prebuild-tests" and AMX_EMULATED.requires <= cpu_features():
+            variants = [*variants, AMX_EMULATED]
+        built = prebuild(target, variants=variants)
+        print(f"pagedkv: CPU kernels prebuilt in {target}: {', '.join(built) or 'none'}")
     else:
-        print("usage: python -m kernels.cpu_build --prebuild [DIR]", file=sys.stderr)
+        print("usage: python -m kernels.cpu_build --prebuild[-tests] [DIR]", file=sys.stderr)
         sys.exit(2)

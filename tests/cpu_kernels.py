@@ -57,15 +57,19 @@ def variant_ops(tmp_dir: Path) -> dict[str, cpu_build.CpuOps]:
 
 
 def emulated_amx_library(cc: list[str] | None) -> Path | None:
-    """The AMX_EMULATED build (from the kernel cache, built there once per source change), or
-    None where this CPU cannot run its AVX-512 code or no compiler is here."""
+    """The AMX_EMULATED build (make setup prebuilds it; else built into the kernel cache once per
+    source change), or None where this CPU cannot run its AVX-512 code or none can be had."""
     variant = cpu_variants.AMX_EMULATED
-    if cc is None or not variant.requires <= cpu_variants.cpu_features():
+    if not variant.requires <= cpu_variants.cpu_features():
         return None
-    identity = cpu_build.compiler_identity(cc)
-    path = cpu_build.jit_path(variant, identity)
-    if not cpu_build.key_matches(path, variant, identity):
-        cpu_build.compile_variant(variant, path, cc)
+    path = cpu_build.PREBUILT_DIR / f"{variant.name}.so"
+    if not cpu_build.key_matches(path, variant, None):
+        if cc is None:
+            return None
+        identity = cpu_build.compiler_identity(cc)
+        path = cpu_build.jit_path(variant, identity)
+        if not cpu_build.key_matches(path, variant, identity):
+            cpu_build.compile_variant(variant, path, cc)
     if not EMULATED_BECAUSE:
         notes = cpu_variants.choose_variants()[1]
         EMULATED_BECAUSE.append("; ".join(notes) or f"this CPU does not run the {AMX} variant")
