@@ -322,7 +322,9 @@ def jit_path(variant: Variant, compiler: str, cache_dir: Path | None = None) -> 
     return (cache_dir or default_cache_dir()) / f"cpu-{variant.name}-{digest}.so"
 
 
-def _build_in_cache(variant: Variant, cc: list[str], cache_dir: Path | None) -> tuple[Path, Variant, str]:
+def build_in_cache(
+    variant: Variant, cc: list[str], cache_dir: Path | None = None
+) -> tuple[Path, Variant, str]:
     """Found in (or built into) the cache; an unwritable cache falls back to a private temp dir."""
     identity = compiler_identity(cc)
     path = jit_path(variant, identity, cache_dir)
@@ -358,7 +360,7 @@ def find_or_build(
             )
             continue
         try:
-            path, chosen, origin = _build_in_cache(variant, cc, cache_dir)
+            path, chosen, origin = build_in_cache(variant, cc, cache_dir)
             return path, chosen, "; ".join([origin, *notes, *reasons])
         except CpuKernelBuildError as exc:
             reasons.append(f"{variant.name}: {exc}")

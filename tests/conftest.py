@@ -28,8 +28,9 @@ def isolated_model_cache(tmp_path_factory):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if cpu_kernels.EMULATED_BECAUSE:
+    because = cpu_kernels.emulation_note()
+    if because:
         terminalreporter.write_line(
             "avx512amx tests ran on software tiles (kernels/cpu_amx_emulate.h: layouts and math, not the "
-            f"hardware or its speed) because {cpu_kernels.EMULATED_BECAUSE[0]}"
+            f"hardware or its speed) because {because}"
         )

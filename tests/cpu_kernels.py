@@ -31,7 +31,11 @@ def load_ops() -> cpu_build.CpuOps:
 
 AMX = "avx512amx"
 EMULATED_ORIGIN = "test: every tile instruction emulated in software (kernels/cpu_amx_emulate.h)"
-EMULATED_BECAUSE: list[str] = []  # why AMX itself did not run, once the emulated build loaded
+
+
+def machine_runs_amx() -> bool:
+    """This CPU and kernel run the avx512amx variant itself (else tests may emulate it)."""
+    return AMX in {v.name for v in cpu_variants.usable_variants()}
 
 
 def variant_ops(tmp_dir: Path) -> dict[str, cpu_build.CpuOps]:
@@ -50,30 +54,38 @@ def variant_ops(tmp_dir: Path) -> dict[str, cpu_build.CpuOps]:
         out[variant.name] = cpu_build.CpuOps(path, variant.name, "test")
     if not out:
         unavailable("no variant could be loaded or built")
-    emulated = None if AMX in out else emulated_amx_library(cc)
+    emulated = None if AMX in out else emulated_amx_ops()
     if emulated is not None:
-        out[AMX] = cpu_build.CpuOps(emulated, AMX, EMULATED_ORIGIN)
+        out[AMX] = emulated
     return out
 
 
 def emulated_amx_library(cc: list[str] | None) -> Path | None:
-    """The AMX_EMULATED build (make setup prebuilds it; else built into the kernel cache once per
-    source change), or None where this CPU cannot run its AVX-512 code or none can be had."""
+    """The AMX_EMULATED build (make setup prebuilds it; else found in or built into the kernel
+    cache), or None where this CPU cannot run its AVX-512 code or none can be had."""
     variant = cpu_variants.AMX_EMULATED
     if not variant.requires <= cpu_variants.cpu_features():
         return None
     path = cpu_build.PREBUILT_DIR / f"{variant.name}.so"
-    if not cpu_build.key_matches(path, variant, None):
-        if cc is None:
-            return None
-        identity = cpu_build.compiler_identity(cc)
-        path = cpu_build.jit_path(variant, identity)
-        if not cpu_build.key_matches(path, variant, identity):
-            cpu_build.compile_variant(variant, path, cc)
-    if not EMULATED_BECAUSE:
-        notes = cpu_variants.choose_variants()[1]
-        EMULATED_BECAUSE.append("; ".join(notes) or f"this CPU does not run the {AMX} variant")
-    return path
+    if cpu_build.key_matches(path, variant, None):
+        return path
+    return None if cc is None else cpu_build.build_in_cache(variant, cc)[0]
+
+
+@functools.cache
+def emulated_amx_ops() -> cpu_build.CpuOps | None:
+    """The AMX_EMULATED build loaded as "avx512amx" (its origin says emulated), once per process,
+    for tests standing it in for the tiles this CPU lacks (the pytest summary then says so);
+    None where it cannot be built or run here."""
+    library = emulated_amx_library(cpu_build.compiler_command())
+    return None if library is None else cpu_build.CpuOps(library, AMX, EMULATED_ORIGIN)
+
+
+def emulation_note() -> str | None:
+    """Why the AMX tests ran on the emulated tiles, once a test stood them in; else None."""
+    if not emulated_amx_ops.cache_info().currsize or emulated_amx_ops() is None:
+        return None
+    return "; ".join(cpu_variants.choose_variants()[1]) or f"this CPU does not run the {AMX} variant"
 
 
 def unoptimized(launcher: Path, compiler: str, log: Path | None = None) -> str:
@@ -86,11 +98,3 @@ def unoptimized(launcher: Path, compiler: str, log: Path | None = None) -> str:
     launcher.write_text(f'#!/bin/sh\n{record}exec "$@" -O0\n')
     launcher.chmod(0o755)
     return f"{launcher} {compiler}"
-
-
-@functools.cache
-def emulated_amx_ops() -> cpu_build.CpuOps | None:
-    """The AMX_EMULATED build loaded as "avx512amx" (its origin says emulated), once per process;
-    None where it cannot be built or run here."""
-    library = emulated_amx_library(cpu_build.compiler_command())
-    return None if library is None else cpu_build.CpuOps(library, AMX, EMULATED_ORIGIN)

@@ -27,13 +27,11 @@ def forced(monkeypatch):
     """Pin the next worker's kernels to a variant; the process cache is cleared around it."""
     variants, notes = cpu_variants.choose_variants()
     names = {v.name for v in variants}
-    emulated = None if set(VARIANTS) <= names else emulated_amx_ops()
-    if emulated is None and not set(VARIANTS) <= names:
-        pytest.skip(
-            f"this CPU does not run AMX tiles or their emulation: {'; '.join(notes) or 'no avx512amx'}"
-        )
-    if emulated is not None and VARIANTS[1] not in names:
-        pytest.skip(f"this CPU does not run the {VARIANTS[1]} variant to compare with")
+    real = set(VARIANTS) <= names
+    emulated = None if real else emulated_amx_ops()
+    if not real and (emulated is None or VARIANTS[1] not in names):
+        why = "; ".join(notes) or "no avx512amx variant"
+        pytest.skip(f"this CPU runs neither AMX tiles nor their emulation beside {VARIANTS[1]}: {why}")
 
     def force(name: str) -> None:
         cpu_build.load_cpu_ops.cache_clear()
