@@ -133,6 +133,25 @@ def awq_config(spec: QuantSpec) -> dict:
             "modules_to_not_convert": None}  # fmt: skip
 
 
+def write_w8a8(w: Tensor, spec: QuantSpec) -> dict[str, Tensor]:
+    """A compressed-tensors `int-quantized` layer (W8A8's weights): int8 codes [N, K] and one
+    fp32 scale per output channel, absmax / 127 (symmetric, round to nearest)."""
+    scales = (w.float().abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
+    codes = torch.round(w.float() / scales).clamp(-127, 127).to(torch.int8)
+    return {"weight": codes, "weight_scale": scales.to(spec.scale_dtype)}
+
+
+def w8a8_config(spec: QuantSpec) -> dict:
+    """quantization_config as llm-compressor's W8A8 (int8) scheme writes it: int8 channel weights,
+    int8 dynamic per-token activations, lm_head ignored."""
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": acts}
+    return {"quant_method": "compressed-tensors", "format": "int-quantized",
+            "quantization_status": "compressed", "config_groups": {"group_0": group},
+            "ignore": ["lm_head"]}  # fmt: skip
+
+
 # The quantized weights the benchmarks serve, by name -> (format written over a dense random
 # checkpoint, whether the worker also holds the dense lm_head as int8: `--lm-head-int8`, as
 # llama.cpp's Q4_0 file keeps its output at Q8_0). AWQ int4 g128 is Qwen3-8B-AWQ's format.
@@ -140,6 +159,7 @@ BENCH_QUANTS = {
     "awq-int4": (QuantSpec("awq", 4, 128), False),
     "awq-int4-lmh8": (QuantSpec("awq", 4, 128), True),
     "gptq-int8": (QuantSpec("gptq", 8, 128, sym=True), False),
+    "w8a8": (QuantSpec("ct", 8, 0, sym=True, ct_format="int-quantized", scale_dtype=torch.float32), False),
 }
 INT8_ROW_GROUP = 128  # --lm-head-int8: one fp32 scale and one uint8 zero per row and 128 inputs
 
@@ -161,17 +181,17 @@ DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 def quantize_checkpoint(base_dir: Path, path: Path, spec: QuantSpec) -> Path:
     """`base_dir`'s dense checkpoint (config.json + model.safetensors) with every decoder linear
     (q/k/v/o/gate/up/down; never embeddings or lm_head, as AutoAWQ and GPTQ leave them) written in
-    `spec`'s format (awq, gptq, gptq_v2) to `path`, with config.json's quantization_config."""
+    `spec`'s format (awq, gptq, gptq_v2, ct W8A8) to `path`, with config.json's quantization_config."""
     if (path / "model.safetensors").exists():
         return path
     state = load_file(str(base_dir / "model.safetensors"))
-    writer = write_awq if spec.method == "awq" else write_gptq
+    writer = {"awq": write_awq, "ct": write_w8a8}.get(spec.method, write_gptq)
     written = {}
     for key in sorted(state):
         name, _, suffix = key.rpartition(".")
         if suffix == "weight" and name.startswith("model.layers.") and name.endswith(DECODER_LINEARS):
             written[name] = writer(state[key].float(), spec)
-    config = awq_config(spec) if spec.method == "awq" else gptq_config(spec)
+    config = {"awq": awq_config, "ct": w8a8_config}.get(spec.method, gptq_config)(spec)
     write_quantized(base_dir, path, written, quantization_config=config, state=state)
     return path
 

@@ -23,7 +23,7 @@
 
 int pq_linear(int bits, float *y, int64_t ldc, const float *x, int64_t lda, const uint8_t *codes,
               const void *scales, int scale_dtype, const uint8_t *zeros, const float *bias, int64_t m, int64_t n,
-              int64_t k, int64_t group, int64_t block, int threads);
+              int64_t k, int64_t group, int64_t block, int act_bits, int threads);
 void rms_norm(float *out, const float *x, const float *w, int64_t rows, int64_t dim, float eps, int threads);
 void add_rms_norm(float *residual, const float *delta, float *out, const float *w, int64_t rows, int64_t dim,
                   float eps, int threads);
@@ -45,6 +45,7 @@ typedef struct {
     const float *bias;   /* fp32 [n] or NULL */
     int64_t n, k, kp;    /* out features, in features, padded K of the panels */
     int64_t group, block; /* quantized: input features per scale, per activation scale; GGUF: parts, 0 */
+    int64_t act_bits;     /* quantized: 16 (int16 activation codes) or 8 (W8A8: int8 per row); else 0 */
 } PkLinear;
 
 typedef struct {
@@ -82,7 +83,7 @@ static int linear(const PkLinear *l, float *y, const float *x, int64_t rows, int
     if (l->kind == PK_KIND_GGUF) return gg_linear(y, l->n, x, l->k, l->w, l->group, l->bias, rows, l->k, threads);
     if (l->kind == 4 || l->kind == 8)
         return pq_linear(l->kind, y, l->n, x, l->k, l->w, l->scales, l->scale_dtype, l->zeros, l->bias, rows, l->n,
-                         l->k, l->group, l->block, threads);
+                         l->k, l->group, l->block, (int)l->act_bits, threads);
     return pk_linear(l->kind, y, l->n, x, l->kp, l->w, l->bias, rows, l->n, l->kp, l->kp, threads);
 }
 

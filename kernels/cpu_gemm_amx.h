@@ -83,12 +83,13 @@ void amx_bf16_gate_up_silu(uint16_t *act16, const uint16_t *a16, int64_t lda16, 
 void amx_bf16_gate_up_silu_panel(uint16_t *act16, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
                                  int64_t inner, int64_t k32, int64_t p, int64_t next, float *gate);
 
-/* cpu_quant.c's pq_linear after its activations are int16 codes (xq, xs, xsum per block), on
- * AMX int8 tiles with the same integer math (cpu_quant_amx.c): 0, -1 when scratch could not be
- * allocated, -3 where the tiles do not apply (block % 64, a build without AMX-INT8). */
+/* cpu_quant.c's pq_linear after its activations are int16 codes (xq, xs, xsum per block; int8
+ * values, one block per row, where act_bits is 8), on AMX int8 tiles with the same integer math
+ * (cpu_quant_amx.c): 0, -1 when scratch could not be allocated, -3 where the tiles do not apply
+ * (block % 64, a build without AMX-INT8). */
 int pq_linear_tiles(int bits, float *y, int64_t ldc, const int16_t *xq, const float *xs, const int32_t *xsum,
                     const uint8_t *codes, const void *scales, int scale_dtype, const uint8_t *zeros,
                     const float *bias, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block,
-                    int threads);
+                    int act_bits, int threads);
 
 #endif

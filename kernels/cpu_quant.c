@@ -15,6 +15,10 @@
  * cost 3-5 % teacher-forced top-1 agreement on the tiny test models in a fake-quantization
  * experiment, docs/ARCHITECTURE.md), while the integer inner loop reads 4-bit weights with ~5
  * vector ops per k row of 64 columns: a decode row is close to memory-bound on the packed bytes.
+ * W8A8 checkpoints define int8 activations, one scale per token (act_bits 8: xs = absmax / 127
+ * over the whole row, worker/quant/activations.py); their int8 x int8 sums run as vpdpbusd on
+ * AVX-512 VNNI (cpu_quant_int8.c: twice vpdpwssd's MACs) or one int8 tile product instead of two
+ * (cpu_quant_amx.c), and as the int16 code here elsewhere: the same int32 sums on every path.
  *
  * Layout (worker/cpu_quant_weights.py packs it), per panel p of 64 output columns, per pair of
  * input rows kk (k = 2kk, 2kk + 1):
@@ -224,10 +228,11 @@ static void qrows(const QGemm *g, int64_t rows, int64_t p, int64_t kk0, int64_t 
     }
 }
 
-/* x [m, k] fp32 -> xq int16 [m, k] with one scale per block of `block` features (absmax / 32767),
- * and the block's sum of codes (for the zero-point term). */
+/* x [m, k] fp32 -> xq int16 [m, k] with one scale per block of `block` features (absmax / qmax:
+ * 32767 for the int16 codes, 127 for W8A8's int8 codes per token), and the block's sum of codes
+ * (for the zero-point term). */
 void pq_quantize_rows(int16_t *xq, float *xs, int32_t *xsum, const float *x, int64_t lda, int64_t m, int64_t k,
-                      int64_t block, int threads) {
+                      int64_t block, int qmax, int threads) {
     const int64_t nblk = k / block;
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 32768)
     for (int64_t r = 0; r < m; ++r)
@@ -235,11 +240,11 @@ void pq_quantize_rows(int16_t *xq, float *xs, int32_t *xsum, const float *x, int
             const float *src = x + r * lda + b * block;
             float amax = 0.f;
             for (int64_t i = 0; i < block; ++i) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
-            const float scale = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / scale;
+            const float scale = amax > 0.f ? amax / (float)qmax : 1.f;
             int32_t sum = 0;
-            for (int64_t i = 0; i < block; ++i) {
-                const int32_t q = (int32_t)lrintf(src[i] * inv);
-                xq[r * k + b * block + i] = (int16_t)(q > 32767 ? 32767 : (q < -32767 ? -32767 : q));
+            for (int64_t i = 0; i < block; ++i) { /* x / scale, as compressed-tensors' quantize rounds */
+                const int32_t q = (int32_t)lrintf(src[i] / scale);
+                xq[r * k + b * block + i] = (int16_t)(q > qmax ? qmax : (q < -qmax ? -qmax : q));
                 sum += xq[r * k + b * block + i];
             }
             xs[r * nblk + b] = scale, xsum[r * nblk + b] = sum;
@@ -248,11 +253,17 @@ void pq_quantize_rows(int16_t *xq, float *xs, int32_t *xsum, const float *x, int
 
 /* y[m, n] (row stride ldc) = x[m, k] W^T + bias for a quantized W (layout in the file comment).
  * group: input features per scale (divides k); block: activation block (divides group, even).
+ * act_bits 16: int16 activation codes per block; 8: W8A8's int8 codes, one scale per row (block
+ * is then k, and the weights must be per channel: group == k); the int32 sums are the same
+ * integers on every path, so the paths' outputs are equal bit for bit.
  * Returns 0, -1 if scratch could not be allocated, -2 for a shape the layout cannot hold. */
 int pq_linear(int bits, float *y, int64_t ldc, const float *x, int64_t lda, const uint8_t *codes,
               const void *scales, int scale_dtype, const uint8_t *zeros, const float *bias, int64_t m, int64_t n,
-              int64_t k, int64_t group, int64_t block, int threads) {
-    if ((bits != 4 && bits != 8) || k % 2 || group % block || k % group || block % 2) return -2;
+              int64_t k, int64_t group, int64_t block, int act_bits, int threads) {
+    if (act_bits == 8) block = k;
+    if ((bits != 4 && bits != 8) || k % 2 || group % block || k % group || block % 2 ||
+        (act_bits != 8 && act_bits != 16))
+        return -2;
     const int64_t nblk = k / block, panels = (n + QNR - 1) / QNR;
     int16_t *xq = malloc((size_t)(m * k) * sizeof(int16_t));
     float *xs = malloc((size_t)(m * nblk) * sizeof(float));
@@ -261,14 +272,16 @@ int pq_linear(int bits, float *y, int64_t ldc, const float *x, int64_t lda, cons
         free(xq), free(xs), free(xsum);
         return -1;
     }
-    pq_quantize_rows(xq, xs, xsum, x, lda, m, k, block, threads);
-    if (PK_HAVE_AMX && m >= PQ_TILE_MIN_ROWS) {
-        const int status = pq_linear_tiles(bits, y, ldc, xq, xs, xsum, codes, scales, scale_dtype, zeros, bias, m,
-                                           n, k, group, block, threads);
-        if (status != -3) {
-            free(xq), free(xs), free(xsum);
-            return status;
-        }
+    pq_quantize_rows(xq, xs, xsum, x, lda, m, k, block, act_bits == 8 ? 127 : 32767, threads);
+    int status = -3;
+    if (PK_HAVE_AMX && m >= PQ_TILE_MIN_ROWS)
+        status = pq_linear_tiles(bits, y, ldc, xq, xs, xsum, codes, scales, scale_dtype, zeros, bias, m, n, k, group,
+                                 block, act_bits, threads);
+    if (status == -3 && act_bits == 8 && bits == 8)
+        status = pq_linear_int8(y, ldc, xq, xs, xsum, codes, scales, scale_dtype, zeros, bias, m, n, k, threads);
+    if (status != -3) {
+        free(xq), free(xs), free(xsum);
+        return status;
     }
     QGemm g = {bits, scale_dtype, codes, scales, zeros, n, k, k / group, group, block, xq, xs, xsum, y, ldc};
     /* K chunks of whole blocks, 8 KiB-32 KiB of codes per panel: reused from cache by every row tile */

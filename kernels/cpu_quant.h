@@ -20,4 +20,12 @@ static ALWAYS_INLINE void pq_add_block(float *out, v16i exact, v16 s, float xs, 
     }
 }
 
+/* cpu_quant.c's pq_linear for W8A8 (8-bit weight codes, act_bits 8: xq holds int8 values, one
+ * scale xs and code sum xsum per row) on AVX-512 VNNI's vpdpbusd (cpu_quant_int8.c). The integer
+ * sums are pq_linear's, the fixup pq_add_block: the same bits as every other path. 0, -1 when
+ * scratch could not be allocated, -3 in a build without AVX-512 VNNI. */
+int pq_linear_int8(float *y, int64_t ldc, const int16_t *xq, const float *xs, const int32_t *xsum,
+                   const uint8_t *codes, const void *scales, int scale_dtype, const uint8_t *zeros, const float *bias,
+                   int64_t m, int64_t n, int64_t k, int threads);
+
 #endif

@@ -19,6 +19,10 @@
  * groups) = the 8 registers; the accumulators restart every activation block (its scale).
  * Needs activation blocks of whole k steps (block % 64 == 0: groups of 64 and 128); smaller
  * blocks (group 32) keep the integer path.
+ *
+ * W8A8 (act_bits 8): the codes are int8 already, so one tdpbsud per B tile gives the sum, and the
+ * freed registers hold a second row block: 2 A (rows row0.., row0 + 16..) + 2 B + 4 accumulators,
+ * one block per row (K % 64 == 0), fixed up as exact = sum - z xsum.
  */
 #include <stdlib.h>
 #ifdef _OPENMP
@@ -72,8 +76,9 @@ typedef struct {
     int64_t ldc, n, m, groups, group, block, nblk;
 } Fixup;
 
-/* y[rows row0.., the 16 columns of group v] += xs s (256 hi + lo - z xsum) for block b: the
- * integer path's fixup (cpu_quant.h), so the fp32 results are the same bits. */
+/* y[rows row0.., the 16 columns of group v] += xs s (256 hi + lo - z xsum) for block b (lo NULL:
+ * int8 codes, hi is the whole sum): the integer path's fixup (cpu_quant.h), so the fp32 results
+ * are the same bits. */
 static void fixup(const Fixup *f, const int32_t *hi, const int32_t *lo, int64_t p, int v, int64_t row0,
                   int64_t b) {
     const int64_t sz = (p * f->groups + b * f->block / f->group) * QNR, first_col = p * QNR;
@@ -85,12 +90,28 @@ static void fixup(const Fixup *f, const int32_t *hi, const int32_t *lo, int64_t 
     const v16i z = __builtin_convertvector(z8, v16i);
     const int64_t rows = f->m - row0 < 16 ? f->m - row0 : 16;
     for (int64_t i = 0; i < rows; ++i) {
-        v16i h, l;
-        memcpy(&h, hi + 16 * i, 64), memcpy(&l, lo + 16 * i, 64);
+        v16i h, l = {0};
+        memcpy(&h, hi + 16 * i, 64);
+        if (lo) memcpy(&l, lo + 16 * i, 64), h = (h << 8) + l;
         const float xs = f->xs[(row0 + i) * f->nblk + b];
-        const v16i exact = ((h << 8) + l) - z * f->xsum[(row0 + i) * f->nblk + b];
+        const v16i exact = h - z * f->xsum[(row0 + i) * f->nblk + b];
         pq_add_block(f->y + (row0 + i) * f->ldc + first_col + 16 * v, exact, s, xs, ncols, v);
     }
+}
+
+/* Tiles 0-3 hold the accumulators of every kernel here. */
+static ALWAYS_INLINE void zero_accumulators(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+static ALWAYS_INLINE void store_accumulators(int32_t acc[4][16 * 16]) {
+    _tile_stored(0, acc[0], 64);
+    _tile_stored(1, acc[1], 64);
+    _tile_stored(2, acc[2], 64);
+    _tile_stored(3, acc[3], 64);
 }
 
 /* Rows [row0, row0 + 16) x column groups v, v + 1 of panel p, every activation block in order. */
@@ -100,10 +121,7 @@ static void row_block(const Fixup *f, const int8_t *xh, const uint8_t *xl, const
     const int64_t quads = k / 4;
     const uint8_t *b0 = wd + v * quads * 64, *b1 = b0 + quads * 64;
     for (int64_t b = 0; b < f->nblk; ++b) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        zero_accumulators();
         for (int64_t kk = b * f->block; kk < (b + 1) * f->block; kk += KSTEP) {
             _tile_loadd(4, xh + row0 * k + kk, k);
             _tile_loadd(5, xl + row0 * k + kk, k);
@@ -114,31 +132,59 @@ static void row_block(const Fixup *f, const int8_t *xh, const uint8_t *xl, const
             _tile_dpbsud(2, 4, 7);
             _tile_dpbuud(3, 5, 7);
         }
-        _tile_stored(0, acc[0], 64);
-        _tile_stored(1, acc[1], 64);
-        _tile_stored(2, acc[2], 64);
-        _tile_stored(3, acc[3], 64);
+        store_accumulators(acc);
         fixup(f, acc[0], acc[1], p, v, row0, b);
         fixup(f, acc[2], acc[3], p, v + 1, row0, b);
     }
 }
 
+/* W8A8: rows [row0, row0 + 32) x column groups v, v + 1 of panel p, the whole row one block. */
+static void row_block_int8(const Fixup *f, const int8_t *x8, const uint8_t *wd, int64_t k, int64_t p, int v,
+                           int64_t row0) {
+    int32_t acc[4][16 * 16];
+    const int64_t quads = k / 4;
+    const uint8_t *b0 = wd + v * quads * 64, *b1 = b0 + quads * 64;
+    zero_accumulators();
+    for (int64_t kk = 0; kk < k; kk += KSTEP) {
+        _tile_loadd(4, x8 + row0 * k + kk, k);
+        _tile_loadd(5, x8 + (row0 + 16) * k + kk, k);
+        _tile_loadd(6, b0 + kk / 4 * 64, 64);
+        _tile_loadd(7, b1 + kk / 4 * 64, 64);
+        _tile_dpbsud(0, 4, 6);
+        _tile_dpbsud(1, 5, 6);
+        _tile_dpbsud(2, 4, 7);
+        _tile_dpbsud(3, 5, 7);
+    }
+    store_accumulators(acc);
+    fixup(f, acc[0], NULL, p, v, row0, 0);
+    fixup(f, acc[1], NULL, p, v, row0 + 16, 0);
+    fixup(f, acc[2], NULL, p, v + 1, row0, 0);
+    fixup(f, acc[3], NULL, p, v + 1, row0 + 16, 0);
+}
+
 int pq_linear_tiles(int bits, float *y, int64_t ldc, const int16_t *xq, const float *xs, const int32_t *xsum,
                     const uint8_t *codes, const void *scales, int scale_dtype, const uint8_t *zeros,
                     const float *bias, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block,
-                    int threads) {
+                    int act_bits, int threads) {
     if (block % KSTEP) return -3;
-    const int64_t panels = (n + QNR - 1) / QNR, m16 = (m + 15) / 16 * 16, pair_bytes = bits == 4 ? 64 : 128;
+    const int int8 = act_bits == 8, rows_per_block = int8 ? 32 : 16;
+    const int64_t panels = (n + QNR - 1) / QNR, pair_bytes = bits == 4 ? 64 : 128;
+    const int64_t mpad = (m + rows_per_block - 1) / rows_per_block * rows_per_block;
     const int nthreads = panels < threads ? (int)panels : threads;
-    int8_t *xh = pk_alloc_lines((size_t)(m16 * k));
-    uint8_t *xl = pk_alloc_lines((size_t)(m16 * k));
+    int8_t *xh = pk_alloc_lines((size_t)(mpad * k)); /* int8: the codes themselves */
+    uint8_t *xl = int8 ? NULL : pk_alloc_lines((size_t)(mpad * k));
     uint8_t *scratch = aligned_alloc(64, (size_t)(nthreads * 64 * k));
-    if (!xh || !xl || !scratch) {
+    if (!xh || (!int8 && !xl) || !scratch) {
         free(xh), free(xl), free(scratch);
         return -1;
     }
-    for (int64_t i = 0; i < m * k; ++i) xh[i] = (int8_t)(xq[i] >> 8), xl[i] = (uint8_t)(xq[i] & 0xFF);
-    memset(xh + m * k, 0, (size_t)((m16 - m) * k)), memset(xl + m * k, 0, (size_t)((m16 - m) * k));
+    if (int8) {
+        for (int64_t i = 0; i < m * k; ++i) xh[i] = (int8_t)xq[i];
+    } else {
+        for (int64_t i = 0; i < m * k; ++i) xh[i] = (int8_t)(xq[i] >> 8), xl[i] = (uint8_t)(xq[i] & 0xFF);
+        memset(xl + m * k, 0, (size_t)((mpad - m) * k));
+    }
+    memset(xh + m * k, 0, (size_t)((mpad - m) * k));
     const Fixup f = {scale_dtype, scales, zeros, xs, xsum, y, ldc, n, m, k / group, group, block, k / block};
 #pragma omp parallel num_threads(nthreads)
     {
@@ -154,8 +200,13 @@ int pq_linear_tiles(int bits, float *y, int64_t ldc, const int16_t *xq, const fl
             for (int64_t r = 0; r < m; ++r)
                 for (int64_t j = 0; j < ncols; ++j) y[r * ldc + first_col + j] = bias ? bias[first_col + j] : 0.f;
             decode_panel(wd, bits, codes + p * (k / 2) * pair_bytes, k);
-            for (int64_t row0 = 0; row0 < m; row0 += 16)
-                for (int v = 0; v < 4 && first_col + 16 * v < n; v += 2) row_block(&f, xh, xl, wd, k, p, v, row0);
+            for (int64_t row0 = 0; row0 < m; row0 += rows_per_block)
+                for (int v = 0; v < 4 && first_col + 16 * v < n; v += 2) {
+                    if (int8)
+                        row_block_int8(&f, xh, wd, k, p, v, row0);
+                    else
+                        row_block(&f, xh, xl, wd, k, p, v, row0);
+                }
         }
         _tile_release();
     }
@@ -167,9 +218,9 @@ int pq_linear_tiles(int bits, float *y, int64_t ldc, const int16_t *xq, const fl
 int pq_linear_tiles(int bits, float *y, int64_t ldc, const int16_t *xq, const float *xs, const int32_t *xsum,
                     const uint8_t *codes, const void *scales, int scale_dtype, const uint8_t *zeros,
                     const float *bias, int64_t m, int64_t n, int64_t k, int64_t group, int64_t block,
-                    int threads) {
+                    int act_bits, int threads) {
     (void)bits, (void)y, (void)ldc, (void)xq, (void)xs, (void)xsum, (void)codes, (void)scales, (void)scale_dtype,
-        (void)zeros, (void)bias, (void)m, (void)n, (void)k, (void)group, (void)block, (void)threads;
+        (void)zeros, (void)bias, (void)m, (void)n, (void)k, (void)group, (void)block, (void)act_bits, (void)threads;
     return -3; /* not an AMX build */
 }
 #endif

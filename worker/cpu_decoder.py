@@ -21,7 +21,7 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c
 class PkLinear(ctypes.Structure):
     _fields_ = [
         ("kind", _I32), ("scale_dtype", _I32), ("w", _P), ("scales", _P), ("zeros", _P), ("bias", _P),
-        ("n", _I64), ("k", _I64), ("kp", _I64), ("group", _I64), ("block", _I64),
+        ("n", _I64), ("k", _I64), ("kp", _I64), ("group", _I64), ("block", _I64), ("act_bits", _I64),
     ]  # fmt: skip
 
 
@@ -60,11 +60,11 @@ def _linear(lin) -> PkLinear:
     """A PanelLinear, QuantLinear or GgufLinear as the C struct."""
     n, k, bias = lin.out_features, lin.in_features, _ptr(lin.bias)
     if isinstance(lin, GgufLinear):
-        return PkLinear(PK_KIND_GGUF, 0, lin.parts_ptr, None, None, bias, n, k, k, len(lin.types), 0)
+        return PkLinear(PK_KIND_GGUF, 0, lin.parts_ptr, None, None, bias, n, k, k, len(lin.types), 0, 0)
     if isinstance(lin, QuantLinear):
         tensors = (lin.codes.data_ptr(), lin.scales.data_ptr(), lin.zeros.data_ptr())
-        return PkLinear(lin.bits, lin.scale_code, *tensors, bias, n, k, k, lin.group, lin.block)
-    return PkLinear(lin.code, 0, lin.panels.data_ptr(), None, None, bias, n, k, lin.k_pad, 0, 0)
+        return PkLinear(lin.bits, lin.scale_code, *tensors, bias, n, k, k, lin.group, lin.block, lin.act_bits)
+    return PkLinear(lin.code, 0, lin.panels.data_ptr(), None, None, bias, n, k, lin.k_pad, 0, 0, 0)
 
 
 def kv_dtype_code(kv_cache) -> int:

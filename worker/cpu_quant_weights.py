@@ -63,8 +63,11 @@ class QuantLinear:
         self.out_features, self.in_features = weight.shape
         if self.in_features % 2 or weight.group_size % 2:
             raise ValueError(f"quantized layers need an even input width and group, got {weight.shape}")
-        self.bits, self.group = weight.bits, weight.group_size
-        self.block = math.gcd(self.group, ACTIVATION_BLOCK)
+        self.bits, self.group, self.act_bits = weight.bits, weight.group_size, weight.act_bits
+        if self.act_bits == 8 and (self.bits != 8 or self.group != self.in_features):
+            raise ValueError("int8 activations (W8A8) need 8-bit weights with one scale per output channel")
+        # int16 codes per block of <= 128 inputs; W8A8: int8 codes, one block per row (cpu_quant.c)
+        self.block = self.in_features if self.act_bits == 8 else math.gcd(self.group, ACTIVATION_BLOCK)
         self.codes = pack_codes(weight.codes, self.bits)
         self.scales = pack_group_params(weight.scales)
         self.zeros = pack_group_params(weight.zeros)
@@ -79,7 +82,7 @@ class QuantLinear:
         status = self.ops.pq_linear(
             self.bits, y.data_ptr(), self.out_features, x.data_ptr(), self.in_features, self.codes.data_ptr(),
             self.scales.data_ptr(), self.scale_code, self.zeros.data_ptr(), bias, rows, self.out_features,
-            self.in_features, self.group, self.block, torch.get_num_threads(),
+            self.in_features, self.group, self.block, self.act_bits, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"pq_linear failed ({status})")

@@ -34,6 +34,7 @@ from kernels.launch import (
     quant_shape_problem,
 )
 from kernels.specs import GEMV_ROW_BUCKETS, QuantLinearSpec, codes_per_word, quant_linear_program
+from worker.quant.activations import round_inputs_to_int8_tokens
 from worker.quant.weight import QuantizedWeight
 
 log = get_logger("pagedkv.worker.cuda_quant")
@@ -244,6 +245,8 @@ def replace_quantized_linears(model: nn.Module, dtype: torch.dtype, backend=None
             continue
         log.warning("worker.quantized_layer_dense", layer=name, reason=problem)
         modules[name].weight = nn.Parameter(weight.dequantize(dtype).to(device), requires_grad=False)
+        if weight.act_bits == 8:
+            round_inputs_to_int8_tokens(modules[name])
     scratch = None
     if backend is not None and packed:
         scratch = DequantScratch(max(w.shape[0] * w.shape[1] for w in packed.values()), dtype, device)
@@ -255,6 +258,8 @@ def replace_quantized_linears(model: nn.Module, dtype: torch.dtype, backend=None
         parent_name, _, attr = name.rpartition(".")
         old = modules[name]
         linear = CudaQuantLinear(weight, old.bias, dtype, device, kernels.get(spec), scratch)
+        if weight.act_bits == 8:  # W8A8: the format's int8 inputs, rounded before the A16 kernels
+            round_inputs_to_int8_tokens(linear)
         # A tensor-parallel row-parallel layer (worker/tp/sharded_model.py) all-reduces its
         # linear's partial output: it stays around the kernels' module, or the sum is lost.
         around = getattr(old, "around", None)

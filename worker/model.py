@@ -26,6 +26,7 @@ from base.logs import get_logger
 from worker.batch import AttentionMetadata
 from worker.kv_cache import KVCache
 from worker.model_config import ModelConfig
+from worker.quant.activations import round_inputs_to_int8_tokens
 from worker.quant.gguf_weight import GgufBlockWeight
 from worker.quant.loader import load_quantized, quantized_linears
 from worker.quant.weight import QuantizedWeight
@@ -201,6 +202,8 @@ class CausalLM(nn.Module):
         modules = dict(self.named_modules())
         for name, weight in self.quantized.items():
             modules[name].weight = nn.Parameter(weight.dequantize(dtype).to(device), requires_grad=False)
+            if getattr(weight, "act_bits", 16) == 8:  # W8A8: the format's int8 inputs per token
+                round_inputs_to_int8_tokens(modules[name])
         self.quantized = {}
 
     def expected_tensor_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from worker.cpu_quant_weights import ACTIVATION_BLOCK, QuantLinear
+from worker.quant.activations import quantize_int8_tokens
 from worker.quant.weight import QuantizedWeight
 
 FP32_SLACK = 2.0**-20  # a few fp32 roundings of the block sums, relative to their magnitude
@@ -39,7 +40,7 @@ def emulate(x: torch.Tensor, weight: QuantizedWeight, block: int):
     xb = x.view(m, k // block, block)
     scale = xb.abs().amax(-1, keepdim=True) / 32767.0  # fp32, as the kernel computes it
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    xq = torch.round(xb * (1.0 / scale)).clamp(-32767, 32767)  # lrintf: round half to even
+    xq = torch.round(xb / scale).clamp(-32767, 32767)  # lrintf: round half to even
     x_used = (xq.double() * scale.double()).view(m, k)  # exactly what the integer dot multiplies
     group = weight.group_size
     zeros = weight.zeros.double().repeat_interleave(group, 1)
@@ -111,3 +112,49 @@ def test_amx_tiles_are_the_integer_path_bit_for_bit(all_ops, bits, dtype, n, k, 
         x = torch.randn(rows, k, generator=gen) * 4
         x[1] = x[1].abs() + 1.0  # one-signed: the zero-point term cancels most of the sum
         assert torch.equal(tiles(x), vnni(x)), (rows, bits, dtype)
+
+
+def w8a8_weight(n: int, k: int, gen) -> QuantizedWeight:
+    """A compressed-tensors W8A8 layer as it decodes: int8 codes + 128, one fp32 scale per row."""
+    codes = torch.randint(0, 256, (n, k), generator=gen).to(torch.uint8)
+    scales = 0.001 + 0.01 * torch.rand(n, 1, generator=gen)
+    return QuantizedWeight(codes, scales, torch.full((n, 1), 128, dtype=torch.uint8), 8, k, act_bits=8)
+
+
+def w8a8_exact(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor) -> torch.Tensor:
+    """worker/quant/activations.py's formula in torch: int8 codes per row, their sum with the
+    signed weights in int64 (exact), then the kernels' one fp32 expression bias + sum * (s xs)."""
+    codes, scales = quantize_int8_tokens(x)
+    sums = codes.long() @ (weight.codes.long() - 128).T
+    return bias + sums.float() * (weight.scales.float().T * scales)
+
+
+@pytest.mark.parametrize("n, k", [(70, 128), (130, 256), (64, 192), (200, 896), (8, 64), (96, 100)])
+def test_w8a8_is_int8_activations_per_token_exactly(ops, n, k):
+    """act_bits 8 (W8A8): each row's inputs become int8 codes with absmax / 127 (the rounding the
+    compressed-tensors library's quantize gives for that scale), and the layer's output is the
+    exact integer product scaled once: equal bits on every variant (VNNI vpdpbusd, the int16
+    path's code, the AMX int8 tiles from TILE_MIN_ROWS rows: K % 64 == 0 only), odd row counts,
+    N tails, a row of zeros and rows that clip at +-127 included."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    weight = w8a8_weight(n, k, gen)
+    bias = torch.randn(n, generator=gen)
+    layer = QuantLinear(ops, weight, bias)
+    assert layer.block == k
+    args = QuantizationArgs(num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True)
+    for rows in (1, 2, 5, 6, 7, 13, TILE_MIN_ROWS, 17, 33, 64):
+        x = torch.randn(rows, k, generator=gen) * 3
+        x[0, : k // 2] = 0.0
+        if rows > 2:
+            x[2] = 0.0  # no scale: codes 0, output = bias
+        codes, scales = quantize_int8_tokens(x)
+        library = quantize(x, scales, torch.zeros_like(scales), args)  # the library's rounding and clamp
+        assert torch.equal(codes.float(), library), rows
+        assert torch.equal(layer(x), w8a8_exact(x, weight, bias)), (rows, ops.variant)
+    with pytest.raises(ValueError, match="8-bit weights with one scale per output channel"):
+        scales, zeros = weight.scales.repeat(1, 2), weight.zeros.repeat(1, 2)
+        halves = QuantizedWeight(weight.codes, scales, zeros, 8, k // 2, act_bits=8)
+        QuantLinear(ops, halves, None)

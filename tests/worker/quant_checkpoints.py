@@ -161,6 +161,20 @@ def dequantize_layer(spec: QuantSpec, t: dict[str, Tensor]) -> Tensor:
     return (q - zp.repeat_interleave(g, 1)) * s.repeat_interleave(g, 1)
 
 
+def library_int8_tokens(_module, args):
+    """W8A8's activations in the oracle: the compressed_tensors library's own fake quantization
+    (its rounding and clamp to int8) at one scale per token, absmax / 127 as vLLM's dynamic int8
+    quantization computes it (the library's calibration helper would divide by 127.5)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    x = args[0]
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    acts = QuantizationArgs(num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True)
+    return (fake_quantize(x, scale, torch.zeros_like(scale), acts), *args[1:])
+
+
 def ct_library_dequantize(spec: QuantSpec, t: dict[str, Tensor], qconfig) -> Tensor:
     """Second oracle for compressed-tensors: the library's own decompressor on the same tensors."""
     from compressed_tensors.compressors import BaseCompressor
@@ -207,5 +221,7 @@ def quantized_checkpoint(base_dir: Path, hf_model, spec: QuantSpec, path: Path) 
     with torch.no_grad():
         for name in layers:
             oracle.get_submodule(name).weight.copy_(dense[name])
+            if spec.ct_format == "int-quantized":
+                oracle.get_submodule(name).register_forward_pre_hook(library_int8_tokens)
     qconfig = None if compressor is None else compressor.quantization_config
     return QuantizedCheckpoint(path, spec, oracle.eval(), tensors, dense, qconfig)

@@ -19,7 +19,12 @@ from worker.model import CausalLM
 from worker.model_config import load_model_config
 from worker.quant.weight import QuantizedWeight
 
-SPECS = [QuantSpec("gptq", bits=4, group=32), QuantSpec("gptq_v2", bits=8, group=0, sym=True)]
+SPECS = [
+    QuantSpec("gptq", bits=4, group=32),
+    QuantSpec("gptq_v2", bits=8, group=0, sym=True),
+    # W8A8: the swapped modules round their inputs to int8 per token as the materialized ones do
+    QuantSpec("ct", 8, 0, sym=True, ct_format="int-quantized", scale_dtype=torch.float32),
+]
 
 
 @pytest.fixture(params=SPECS, ids=lambda s: s.name)

@@ -14,6 +14,12 @@ Tolerances (max |ours - HF| <= rel * max |HF| per sampled row):
     and measured errors are 1.3-3.3e-4 on sampled rows, up to 5.5e-4 teacher-forced: the bound
     is ~3x the largest seen. Greedy tokens must still be equal, and teacher-forced top-1 agreement
     with the oracle over 388 positions per variant at least 99 % (near-ties may flip).
+  * W8A8, both forwards, 3e-2: the format's int8 activations (worker/quant/activations.py) are
+    rounded in the oracle too (compressed_tensors' fake quantization), so most rows agree to
+    ~3e-7; but an input that one forward's fp32 order puts an ulp across a rounding boundary
+    moves by a whole code, absmax / 127 of its row, which the random models amplify to at most
+    3.9e-3 (reference) and 1.5e-2 (fast) of max |logit| measured teacher-forced over 388
+    positions; top-1 agreement there was 100 %.
 Teacher-forced agreement, memory and ModelFacts: tests/worker/test_quantized_fast_path.py.
 """
 
@@ -41,7 +47,12 @@ from tests.worker.worker_test_utils import (
 )
 
 TOLERANCE = {"fast": 1.5e-3, "reference": 2e-5}
+W8A8_TOLERANCE = 3e-2
 CPU_KERNELS = list(TOLERANCE)
+
+
+def tolerance(spec: QuantSpec, cpu_kernels: str) -> float:
+    return W8A8_TOLERANCE if spec.ct_format == "int-quantized" else TOLERANCE[cpu_kernels]
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -71,7 +82,7 @@ def test_greedy_generation_matches_transformers_on_the_dequantized_model(
     driver.step({1: None})
     driver.decode([1], 9)
     assert len(seq.generated) == 10
-    check_against_hf(ckpt.hf_model, seq, 21, TOLERANCE[cpu_kernels])
+    check_against_hf(ckpt.hf_model, seq, 21, tolerance(spec, cpu_kernels))
 
 
 # One variant per family for the scheduling scenarios (the kernels differ per bits and group,

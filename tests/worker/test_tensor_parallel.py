@@ -4,7 +4,8 @@ Greedy and sampled tokens of TP=2 (and TP=4 for a model with one KV head, replic
 rank) equal TP=1's, and the logits agree to fp32 rounding, for Llama (GQA), Qwen2 (biases, MQA: fewer KV
 heads than ranks), Qwen2 with tied embeddings and a vocabulary the ranks do not divide (the
 last part padded), Qwen3 (q/k norms, tied), Llama with o / down biases, and Qwen2 as AWQ int4
-and GPTQ int8 checkpoints (sharded along their groups), on both CPU forwards. Each format's
+and GPTQ int8 checkpoints (sharded along their groups), on both CPU forwards; compressed-tensors
+W8A8 against one worker that rounds o / down's inputs per rank's slice, as its ranks do. Each format's
 per-rank slices decode to exactly the whole layer's rows or columns, read slice by slice; a
 split that cuts a quantization group is refused naming the tensor. TP=1 is one worker on the
 whole checkpoint with the same forward; those forwards are themselves checked against
@@ -19,11 +20,13 @@ import torch
 from tests.cpu_kernels import load_ops
 from tests.worker import tp_rank_main
 from tests.worker.quant_checkpoints import LLAMA, QWEN2, QWEN3, QuantSpec
+from tests.worker.test_quantized import W8A8_TOLERANCE
 from tests.worker.tp_launch import run_group as launch
 from tests.worker.worker_test_utils import CHECKPOINTS, CheckpointSpec, build_checkpoint
 from worker import Worker
 from worker.errors import WorkerConfigError
 from worker.model_config import parse_model_config
+from worker.quant.activations import fake_quant_int8_tokens
 from worker.quant.scheme import QuantScheme
 from worker.tp.layout import plan_layout
 
@@ -42,14 +45,18 @@ TP_MODELS = {
 TP_QUANTIZED = {
     "awq-int4-g32": (QuantSpec("awq", 4, 32), QWEN2, 1.5e-4),
     "gptq-int8-g32": (QuantSpec("gptq", 8, 32, sym=True), QWEN2, 1.5e-4),
-    # per channel: o / down's scales replicated on both ranks (compressed-tensors W8A8)
+    # per channel: o / down's scales replicated on both ranks (compressed-tensors W8A8). Each rank
+    # rounds its half of o / down's inputs to int8 with that half's own per-token scale (as vLLM's
+    # row-parallel layers do): TP=1 is one worker doing the same (`_int8_per_rank_slice`).
+    # Tolerance: W8A8's, tests/worker/test_quantized.py (a code an ulp moves across a boundary).
     "ct-w8a8-channel": (
         QuantSpec("ct", 8, 0, sym=True, ct_format="int-quantized", scale_dtype=torch.float32),
         LLAMA,
-        5e-4,
+        W8A8_TOLERANCE,
     ),
 }
 ALL_MODELS = [*TP_MODELS, *TP_QUANTIZED]
+MODEL_DIR_OF: dict[str, str] = {}  # name -> checkpoint dir, once model_dirs has written them
 
 
 def run_group(size: int, model_dirs: list[str], out, kernels: str = "reference") -> dict:
@@ -67,6 +74,7 @@ def model_dirs(tmp_path_factory, quantized) -> dict[str, str]:
         dirs[name] = str(path)
     for name, (spec, family, _) in TP_QUANTIZED.items():
         dirs[name] = str(quantized(spec, family).path)
+    MODEL_DIR_OF.update(dirs)
     return dirs
 
 
@@ -83,12 +91,31 @@ def tp2_fast(model_dirs, tmp_path_factory) -> dict:
     return run_group(2, list(model_dirs.values()), tmp_path_factory.mktemp("tp2-fast") / "out.pt", "fast")
 
 
+def _per_slice(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    return torch.cat([fake_quant_int8_tokens(part) for part in x.chunk(ranks, -1)], -1)
+
+
+def _int8_per_rank_slice(worker, ranks: int) -> None:
+    """A W8A8 reference worker whose row-parallel layers (o, down) round each rank's contiguous
+    slice of their inputs with its own per-token scale, as `ranks` ranks do."""
+    for name, module in worker.model.named_modules():
+        if name.endswith(("o_proj", "down_proj")) and module._forward_pre_hooks:
+            module._forward_pre_hooks.clear()
+            module.register_forward_pre_hook(lambda _m, args: (_per_slice(args[0], ranks),))
+
+
 def _assert_same_as_one_worker(
-    result: dict, model_dir: str, kernels: str = "reference", rel: float = 1e-5
+    result: dict, model_dir: str, kernels: str = "reference", rel: float = 1e-5, ranks: int = 2
 ) -> None:
     """Against one worker with the same forward (fast vs fast: the fused kernels reorder float
-    math, so each is compared with its own kind; both are checked against transformers elsewhere)."""
-    reference = tp_rank_main.drive(Worker(tp_rank_main.config_for(model_dir, kernels)))
+    math, so each is compared with its own kind; both are checked against transformers elsewhere).
+    W8A8: against one reference worker that rounds the row-parallel inputs per rank's slice."""
+    w8a8 = model_dir == MODEL_DIR_OF.get("ct-w8a8-channel")
+    one = Worker(tp_rank_main.config_for(model_dir, "reference" if w8a8 else kernels))
+    if w8a8:
+        _int8_per_rank_slice(one, ranks)
+        rel = max(rel, W8A8_TOLERANCE)
+    reference = tp_rank_main.drive(one)
     assert result["tokens"] == reference["tokens"]
     error = (result["logits"] - reference["logits"]).abs().max().item()
     print(

@@ -122,9 +122,9 @@ def decode(scheme: QuantScheme, prefix: str, tensors: dict[str, Tensor], n: int,
     if scheme.format == "int-quantized":
         codes = (tensors[f"{prefix}.weight"].to(torch.int16) + 128).to(torch.uint8)
         scales = tensors[f"{prefix}.weight_scale"]
-        return QuantizedWeight(
-            codes, scales.contiguous(), torch.full_like(scales, 128, dtype=torch.uint8), 8, k
-        )
+        zeros = torch.full_like(scales, 128, dtype=torch.uint8)
+        act_bits = 8 if scheme.activations == "int8-token" else 16
+        return QuantizedWeight(codes, scales.contiguous(), zeros, 8, k, act_bits)
     shape = tuple(int(v) for v in tensors[f"{prefix}.weight_shape"])
     if shape != (n, k):
         raise ModelLoadError(f"{prefix}.weight_shape is {shape}, but config.json implies {(n, k)}")

@@ -8,6 +8,12 @@ the kernels widen them in registers); zeros uint8 [N, G] (2^(bits-1) for symmetr
 so a signed int8 weight q is stored as q + 128). G = K // group (one group = the whole row
 for per-channel schemes). The dequantized value is exact in fp32 for every format here
 (an fp16/bf16 scale times a small integer fits in fp32's 24-bit mantissa).
+
+act_bits says what the layer's inputs are rounded to: 16 for the weight-only formats (the CPU
+kernels' int16 codes per block of <= 128 inputs, within ~1e-4 of the dequantized layer), 8 for
+W8A8 checkpoints, whose format defines int8 activations with one dynamic scale per token
+(worker/quant/activations.py): every forward rounds their inputs so, the fast CPU kernels in
+integer dot products, the reference and CUDA forwards by fake quantization.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class QuantizedWeight:
     zeros: Tensor  # uint8 [N, G]
     bits: int
     group_size: int  # K // G
+    act_bits: int = 16  # 16: weight-only; 8: int8 activations per token (W8A8)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -65,12 +72,13 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Layers of the same input stacked along N (fused q|k|v, gate|up): same bits and groups."""
     first = weights[0]
     if any(w.bits != first.bits or w.group_size != first.group_size or w.scales.dtype != first.scales.dtype
-           for w in weights):  # fmt: skip
-        raise ValueError("cannot fuse quantized layers with different bits, groups or scale dtypes")
+           or w.act_bits != first.act_bits for w in weights):  # fmt: skip
+        raise ValueError("cannot fuse quantized layers of other bits, groups, scale dtypes or activations")
     return QuantizedWeight(
         torch.cat([w.codes for w in weights]),
         torch.cat([w.scales for w in weights]),
         torch.cat([w.zeros for w in weights]),
         first.bits,
         first.group_size,
+        first.act_bits,
     )
