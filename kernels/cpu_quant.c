@@ -201,7 +201,7 @@ static ALWAYS_INLINE void qtile_block(const QGemm *g, int mr, int64_t row, int64
             const float xs = g->xs[(row + m) * nblk + b];
             /* exact in int32: |sum (q - z) xq| <= 256 * 32767 * 128 < 2^31 */
             const v16i exact = isum[m][v] - z * g->xsum[(row + m) * nblk + b];
-            pq_add_block(g->y + (row + m) * g->ldc + first_col + 16 * v, exact, s, xs, ncols, v);
+            pq_add_block(g->y + (row + m) * g->ldc + first_col + 16 * v, exact, s, xs, ncols, v, 0, NULL);
         }
     }
 }
@@ -228,9 +228,50 @@ static void qrows(const QGemm *g, int64_t rows, int64_t p, int64_t kk0, int64_t 
     }
 }
 
+typedef int16_t v16s __attribute__((vector_size(32)));
+#define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (t + M) - M is t rounded half to even, |t| < 2^22 */
+
+/* The codes of one block: clamp(round_half_even(src / scale), -qmax, qmax), as lrintf rounds
+ * (the default rounding mode), 16 lanes at a time; returns their sum. */
+static int32_t quantize_block(int16_t *q, const float *src, int64_t n, float scale, int qmax) {
+    const v16 vs = splat16(scale), hi = splat16((float)qmax), lo = splat16((float)-qmax), magic = splat16(ROUND_MAGIC);
+    v16i vsum = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16 t = (load16(src + i) / vs + magic) - magic;
+        t = select16(t > hi, hi, select16(t < lo, lo, t));
+        const v16i c = __builtin_convertvector(t, v16i);
+        const v16s c16 = __builtin_convertvector(c, v16s);
+        memcpy(q + i, &c16, sizeof c16);
+        vsum += c;
+    }
+    int32_t sum = 0;
+    for (int l = 0; l < 16; ++l) sum += vsum[l];
+    for (; i < n; ++i) {
+        float t = (src[i] / scale + ROUND_MAGIC) - ROUND_MAGIC;
+        t = t > (float)qmax ? (float)qmax : (t < (float)-qmax ? (float)-qmax : t);
+        q[i] = (int16_t)t;
+        sum += q[i];
+    }
+    return sum;
+}
+
+static float block_absmax(const float *src, int64_t n) {
+    v16 vmax = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v16 a = as_float16(as_bits16(load16(src + i)) & 0x7FFFFFFFu);
+        vmax = select16(a > vmax, a, vmax);
+    }
+    float amax = hmax16(vmax);
+    for (; i < n; ++i) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+    return amax;
+}
+
 /* x [m, k] fp32 -> xq int16 [m, k] with one scale per block of `block` features (absmax / qmax:
- * 32767 for the int16 codes, 127 for W8A8's int8 codes per token), and the block's sum of codes
- * (for the zero-point term). */
+ * 32767 for the int16 codes, 127 for W8A8's int8 codes per token; x / scale rounded half to
+ * even, as compressed-tensors' quantize rounds), and the block's sum of codes (for the
+ * zero-point term). */
 void pq_quantize_rows(int16_t *xq, float *xs, int32_t *xsum, const float *x, int64_t lda, int64_t m, int64_t k,
                       int64_t block, int qmax, int threads) {
     const int64_t nblk = k / block;
@@ -238,16 +279,10 @@ void pq_quantize_rows(int16_t *xq, float *xs, int32_t *xsum, const float *x, int
     for (int64_t r = 0; r < m; ++r)
         for (int64_t b = 0; b < nblk; ++b) {
             const float *src = x + r * lda + b * block;
-            float amax = 0.f;
-            for (int64_t i = 0; i < block; ++i) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+            const float amax = block_absmax(src, block);
             const float scale = amax > 0.f ? amax / (float)qmax : 1.f;
-            int32_t sum = 0;
-            for (int64_t i = 0; i < block; ++i) { /* x / scale, as compressed-tensors' quantize rounds */
-                const int32_t q = (int32_t)lrintf(src[i] / scale);
-                xq[r * k + b * block + i] = (int16_t)(q > qmax ? qmax : (q < -qmax ? -qmax : q));
-                sum += xq[r * k + b * block + i];
-            }
-            xs[r * nblk + b] = scale, xsum[r * nblk + b] = sum;
+            xsum[r * nblk + b] = quantize_block(xq + r * k + b * block, src, block, scale, qmax);
+            xs[r * nblk + b] = scale;
         }
 }
 

@@ -8,15 +8,19 @@
 
 /* out[0..16) (16 columns of group v of a 64-column panel, ncols of which exist) +=
  * exact * (s * xs): an activation block's exact int32 sums, scaled by the weight scales s of its
- * group and the block's activation scale xs. */
-static ALWAYS_INLINE void pq_add_block(float *out, v16i exact, v16 s, float xs, int ncols, int v) {
+ * group and the block's activation scale xs. first: out is not read but starts from bias (bias
+ * of these 16 columns, or NULL for 0), the value the other paths store before their first block,
+ * so the sum is the same fp32 operation either way. */
+static ALWAYS_INLINE void pq_add_block(float *out, v16i exact, v16 s, float xs, int ncols, int v, int first,
+                                       const float *bias) {
     const v16 partial = __builtin_convertvector(exact, v16) * (s * xs);
-    if (ncols >= 16 * (v + 1)) {
-        store16(out, load16(out) + partial);
+    const int live = ncols - 16 * v < 16 ? ncols - 16 * v : 16;
+    if (live == 16) {
+        store16(out, (first ? (bias ? load16(bias) : splat16(0.f)) : load16(out)) + partial);
     } else {
         float tmp[16];
         store16(tmp, partial);
-        for (int j = 16 * v; j < ncols; ++j) out[j - 16 * v] += tmp[j - 16 * v];
+        for (int j = 0; j < live; ++j) out[j] = (first ? (bias ? bias[j] : 0.f) : out[j]) + tmp[j];
     }
 }
 

@@ -72,6 +72,7 @@ typedef struct {
     const uint8_t *zeros;
     const float *xs;
     const int32_t *xsum;
+    const float *bias; /* y starts from it at block 0 (NULL: 0) */
     float *y;
     int64_t ldc, n, m, groups, group, block, nblk;
 } Fixup;
@@ -95,7 +96,8 @@ static void fixup(const Fixup *f, const int32_t *hi, const int32_t *lo, int64_t 
         if (lo) memcpy(&l, lo + 16 * i, 64), h = (h << 8) + l;
         const float xs = f->xs[(row0 + i) * f->nblk + b];
         const v16i exact = h - z * f->xsum[(row0 + i) * f->nblk + b];
-        pq_add_block(f->y + (row0 + i) * f->ldc + first_col + 16 * v, exact, s, xs, ncols, v);
+        pq_add_block(f->y + (row0 + i) * f->ldc + first_col + 16 * v, exact, s, xs, ncols, v, b == 0,
+                     f->bias ? f->bias + first_col + 16 * v : NULL);
     }
 }
 
@@ -185,7 +187,7 @@ int pq_linear_tiles(int bits, float *y, int64_t ldc, const int16_t *xq, const fl
         memset(xl + m * k, 0, (size_t)((mpad - m) * k));
     }
     memset(xh + m * k, 0, (size_t)((mpad - m) * k));
-    const Fixup f = {scale_dtype, scales, zeros, xs, xsum, y, ldc, n, m, k / group, group, block, k / block};
+    const Fixup f = {scale_dtype, scales, zeros, xs, xsum, bias, y, ldc, n, m, k / group, group, block, k / block};
 #pragma omp parallel num_threads(nthreads)
     {
 #ifdef _OPENMP
@@ -196,9 +198,7 @@ int pq_linear_tiles(int bits, float *y, int64_t ldc, const int16_t *xq, const fl
         pk_amx_config_tiles();
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
-            const int64_t first_col = p * QNR, ncols = n - first_col < QNR ? n - first_col : QNR;
-            for (int64_t r = 0; r < m; ++r)
-                for (int64_t j = 0; j < ncols; ++j) y[r * ldc + first_col + j] = bias ? bias[first_col + j] : 0.f;
+            const int64_t first_col = p * QNR; /* y starts from bias at each row's first block (fixup) */
             decode_panel(wd, bits, codes + p * (k / 2) * pair_bytes, k);
             for (int64_t row0 = 0; row0 < m; row0 += rows_per_block)
                 for (int v = 0; v < 4 && first_col + 16 * v < n; v += 2) {

@@ -64,6 +64,7 @@ typedef struct {
     const uint8_t *codes, *zeros;
     const void *scales;
     int scale_dtype;
+    const float *bias;
     float *y;
     int64_t ldc, n, k;
 } Int8Gemm;
@@ -82,7 +83,7 @@ static ALWAYS_INLINE void rows_int8(const Int8Gemm *g, int mr, int64_t row, int6
             v16i sum;
             memcpy(&sum, &acc[m][v], 64);
             pq_add_block(g->y + (row + m) * g->ldc + first_col + 16 * v, sum - z * g->xsum[row + m], s,
-                         g->xs[row + m], ncols, v);
+                         g->xs[row + m], ncols, v, 1, g->bias ? g->bias + first_col + 16 * v : NULL);
         }
     }
 }
@@ -94,15 +95,12 @@ int pq_linear_int8(float *y, int64_t ldc, const int16_t *xq, const float *xs, co
     int8_t *x8 = malloc((size_t)(m * k));
     if (!x8) return -1;
     for (int64_t i = 0; i < m * k; ++i) x8[i] = (int8_t)xq[i];
-    const Int8Gemm g = {x8, xs, xsum, codes, zeros, scales, scale_dtype, y, ldc, n, k};
+    const Int8Gemm g = {x8, xs, xsum, codes, zeros, scales, scale_dtype, bias, y, ldc, n, k};
     const int64_t panels = (n + QNR - 1) / QNR;
     const int nthreads = panels >= 2 && m * n * k >= 32768 ? threads : 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
-        const int64_t first_col = p * QNR, ncols = n - first_col < QNR ? n - first_col : QNR;
-        for (int64_t r = 0; r < m; ++r)
-            for (int64_t j = 0; j < ncols; ++j) y[r * ldc + first_col + j] = bias ? bias[first_col + j] : 0.f;
-        for (int64_t row = 0; row < m; row += QMR8) {
+        for (int64_t row = 0; row < m; row += QMR8) { /* y = bias + each row's one block */
             switch (m - row < QMR8 ? m - row : QMR8) {
 #define RCASE(R) \
     case R: rows_int8(&g, R, row, p); break;
