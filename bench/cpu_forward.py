@@ -8,7 +8,8 @@ MLP 1536, vocab 32000; run at fp32 and at bf16), and in a full run "0.5b" = pres
 Quantized weights (issue 26), both shapes: the same random checkpoint's decoder linears written as
 AutoAWQ GEMM int4 (group 128, asymmetric: Qwen3-8B-AWQ's format) and GPTQ int8 (group 128,
 symmetric) by bench/quant_writer.py, served with the rest (embeddings, norms, tied lm_head) in
-bf16; `awq-int4-lmh8` also holds that lm_head as int8 (`--lm-head-int8`, as llama.cpp's Q4_0 file
+bf16, and (0.5b, full run) compressed-tensors W8A8 (int8 channel weights, int8 activations per
+token); `awq-int4-lmh8` also holds that lm_head as int8 (`--lm-head-int8`, as llama.cpp's Q4_0 file
 keeps it at Q8_0). Their packed-GEMM ceiling is the bf16 one of the same shapes (the dense GEMM
 the quantized layers replace) and they have no ISA peak figure.
 
@@ -204,7 +205,8 @@ def run(quick: bool = False) -> dict:
     before = memory_read_bandwidth_gbs(res["threads"], size)
     cases = [("small", w) for w in ("float32", "bfloat16", "awq-int4", "gptq-int8")]
     if not quick:
-        cases += [("0.5b", w) for w in ("bfloat16", "float32", "awq-int4", "awq-int4-lmh8", "gptq-int8")]
+        full = ("bfloat16", "float32", "awq-int4", "awq-int4-lmh8", "gptq-int8", "w8a8")
+        cases += [("0.5b", w) for w in full]
     for shape in dict.fromkeys(shape for shape, _ in cases):
         res.update(measure(shape, [w for sh, w in cases if sh == shape], quick, peaks, before))
     after = memory_read_bandwidth_gbs(res["threads"], size)

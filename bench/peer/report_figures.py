@@ -11,7 +11,7 @@ import statistics
 GEMM_DTYPE = {"float32": "float32", "F32": "float32", "bfloat16": "bfloat16", "BF16": "bfloat16"}
 DTYPE_LABEL = {"float32": "fp32", "bfloat16": "bf16"}
 # pagedkv's quantized rows (bench/quant_writer.py BENCH_QUANTS) -> the llama.cpp type they face.
-LLAMACPP_PEER = {"awq-int4": "Q4_0", "awq-int4-lmh8": "Q4_0", "gptq-int8": "Q8_0"}
+LLAMACPP_PEER = {"awq-int4": "Q4_0", "awq-int4-lmh8": "Q4_0", "gptq-int8": "Q8_0", "w8a8": "Q8_0"}
 
 
 def bandwidth_gbs(summary: dict) -> float | None:

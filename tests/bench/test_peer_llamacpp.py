@@ -104,9 +104,10 @@ def test_plan_interleaves_dtypes_engines_and_quants(monkeypatch):
     assert keys[:4] == ["workloads/float32/vllm/stream", "workloads/float32/vllm/batch",
                         "workloads/float32/pagedkv/served", "workloads/float32/pagedkv/inproc"]  # fmt: skip
     assert "figures/float32/llamacpp/F32" in keys and "figures/bfloat16/llamacpp/BF16" in keys
-    assert keys[-13:-7] == ["figures/awq-int4/pagedkv/served", "figures/awq-int4-lmh8/pagedkv/served",
-                            "figures/gptq-int8/pagedkv/served", "figures/Q8_0/pagedkv/served",
-                            "figures/Q8_0/llamacpp/Q8_0", "figures/Q4_0/pagedkv/served"]  # fmt: skip
+    assert keys[-14:-7] == ["figures/awq-int4/pagedkv/served", "figures/awq-int4-lmh8/pagedkv/served",
+                            "figures/gptq-int8/pagedkv/served", "figures/w8a8/pagedkv/served",
+                            "figures/Q8_0/pagedkv/served", "figures/Q8_0/llamacpp/Q8_0",
+                            "figures/Q4_0/pagedkv/served"]  # fmt: skip
     assert keys[-2:] == ["figures/smollm2-135m-Q4_1/pagedkv/served",
                          "figures/smollm2-135m-Q4_1/llamacpp/smollm2-135m-Q4_1"]  # fmt: skip
     monkeypatch.setattr("sys.argv", ["bench.peer", "--dtype", "bfloat16", "--shape", "qwen2.5-0.5b",
