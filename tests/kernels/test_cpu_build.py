@@ -153,7 +153,7 @@ def test_the_reason_amx_was_passed_over_reaches_the_origin(amx_probe, monkeypatc
 
 TILE_RUN = """
 import ctypes, sys
-from kernels import cpu_build
+from kernels import cpu_build, cpu_variants
 if sys.argv[2] == "ask":
     assert cpu_variants.amx_tile_permission() is None
 lib = ctypes.CDLL(sys.argv[1])
