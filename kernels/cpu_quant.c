@@ -162,6 +162,7 @@ typedef struct {
     const int16_t *xq; /* [M, kp] */
     const float *xs;   /* [M, kp / block] */
     const int32_t *xsum;
+    const float *bias; /* y starts from it at each row's first block (NULL: 0) */
     float *y;
     int64_t ldc;
 } QGemm;
@@ -201,7 +202,8 @@ static ALWAYS_INLINE void qtile_block(const QGemm *g, int mr, int64_t row, int64
             const float xs = g->xs[(row + m) * nblk + b];
             /* exact in int32: |sum (q - z) xq| <= 256 * 32767 * 128 < 2^31 */
             const v16i exact = isum[m][v] - z * g->xsum[(row + m) * nblk + b];
-            pq_add_block(g->y + (row + m) * g->ldc + first_col + 16 * v, exact, s, xs, ncols, v, 0, NULL);
+            pq_add_block(g->y + (row + m) * g->ldc + first_col + 16 * v, exact, s, xs, ncols, v, kk0 == 0,
+                         g->bias ? g->bias + first_col + 16 * v : NULL);
         }
     }
 }
@@ -318,7 +320,7 @@ int pq_linear(int bits, float *y, int64_t ldc, const float *x, int64_t lda, cons
         free(xq), free(xs), free(xsum);
         return status;
     }
-    QGemm g = {bits, scale_dtype, codes, scales, zeros, n, k, k / group, group, block, xq, xs, xsum, y, ldc};
+    QGemm g = {bits, scale_dtype, codes, scales, zeros, n, k, k / group, group, block, xq, xs, xsum, bias, y, ldc};
     /* K chunks of whole blocks, 8 KiB-32 KiB of codes per panel: reused from cache by every row tile */
     const int64_t chunk_pairs = (block / 2) * (256 / block > 1 ? 256 / block : 1);
     const int nthreads = panels >= 2 && m * n * k >= 32768 ? threads : 1;
@@ -330,9 +332,6 @@ int pq_linear(int bits, float *y, int64_t ldc, const float *x, int64_t lda, cons
         const int t = 0, nt = 1;
 #endif
         for (int64_t p = panels * t / nt; p < panels * (t + 1) / nt; ++p) {
-            const int64_t first_col = p * QNR, ncols = n - first_col < QNR ? n - first_col : QNR;
-            for (int64_t r = 0; r < m; ++r)
-                for (int64_t j = 0; j < ncols; ++j) y[r * ldc + first_col + j] = bias ? bias[first_col + j] : 0.f;
             for (int64_t kk = 0; kk < k / 2; kk += chunk_pairs)
                 qrows(&g, m, p, kk, kk + chunk_pairs < k / 2 ? kk + chunk_pairs : k / 2);
         }

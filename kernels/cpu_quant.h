@@ -24,6 +24,17 @@ static ALWAYS_INLINE void pq_add_block(float *out, v16i exact, v16 s, float xs, 
     }
 }
 
+#if defined(__AVX512BW__)
+/* 16 columns' codes of two consecutive k pairs (32 bytes each, a 16-bit word per column in the
+ * pair layout of cpu_quant.c) -> one k quad per 32-bit lane, what vpdpbusd and the int8 tiles
+ * read: lane c = pair 2r's word c, then pair 2r + 1's word c. */
+static ALWAYS_INLINE __m512i pq_pairs_to_quads(__m512i pair0, __m512i pair1) {
+    const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                                38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    return _mm512_permutex2var_epi16(pair0, interleave, pair1);
+}
+#endif
+
 /* cpu_quant.c's pq_linear for W8A8 (8-bit weight codes, act_bits 8: xq holds int8 values, one
  * scale xs and code sum xsum per row) on AVX-512 VNNI's vpdpbusd (cpu_quant_int8.c). The integer
  * sums are pq_linear's, the fixup pq_add_block: the same bits as every other path. 0, -1 when

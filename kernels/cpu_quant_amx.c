@@ -42,10 +42,6 @@ typedef uint8_t v16b8_t __attribute__((vector_size(16)));
 /* Panel p's codes -> wd [4 groups][k / 4][64] bytes (the B tiles of its 4 column groups). */
 static void decode_panel(uint8_t *wd, int bits, const uint8_t *panel, int64_t k) {
     const int64_t pair_bytes = bits == 4 ? 64 : 128, quads = k / 4;
-    __m512i interleave; /* word t of the quad: word t / 2 of pair 2r (t even) or of pair 2r + 1 */
-    uint16_t idx[32];
-    for (int t = 0; t < 32; ++t) idx[t] = (uint16_t)(t / 2 + (t % 2) * 32);
-    memcpy(&interleave, idx, 64);
     const __m512i nibble = _mm512_set1_epi8(0xF);
     for (int64_t r = 0; r < quads; ++r) {
         const uint8_t *p0 = panel + 2 * r * pair_bytes, *p1 = p0 + pair_bytes;
@@ -61,7 +57,7 @@ static void decode_panel(uint8_t *wd, int bits, const uint8_t *panel, int64_t k)
                 a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p0 + 32 * v)));
                 b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p1 + 32 * v)));
             }
-            _mm512_storeu_si512(wd + (v * quads + r) * 64, _mm512_permutex2var_epi16(a, interleave, b));
+            _mm512_storeu_si512(wd + (v * quads + r) * 64, pq_pairs_to_quads(a, b));
         }
     }
 }
@@ -91,7 +87,7 @@ static void fixup(const Fixup *f, const int32_t *hi, const int32_t *lo, int64_t 
     const v16i z = __builtin_convertvector(z8, v16i);
     const int64_t rows = f->m - row0 < 16 ? f->m - row0 : 16;
     for (int64_t i = 0; i < rows; ++i) {
-        v16i h, l = {0};
+        v16i h, l;
         memcpy(&h, hi + 16 * i, 64);
         if (lo) memcpy(&l, lo + 16 * i, 64), h = (h << 8) + l;
         const float xs = f->xs[(row0 + i) * f->nblk + b];

@@ -3,8 +3,8 @@
  * lanes (4 products each), twice the MACs of the int16 path's vpdpwssd (cpu_quant.c), on the
  * same resident codes. A lane needs 4 consecutive k of one column: cpu_quant.c's 8-bit layout
  * holds a k pair per 16-bit word, so the words of pair rows 2r and 2r + 1 are interleaved (one
- * vpermt2w per 16 columns and k quad, shared by the QMR8 rows of a tile) as cpu_quant_amx.c's
- * decode_panel does for the tiles.
+ * vpermt2w per 16 columns and k quad, shared by the QMR8 rows of a tile: pq_pairs_to_quads, as
+ * cpu_quant_amx.c's decode_panel does for the tiles).
  *
  *   y[m, n] = bias[n] + (sum_k q[n, k] xq[m, k] - z[n] xsum[m]) * (s[n] xs[m])
  *
@@ -31,10 +31,6 @@ typedef uint8_t v16b8_t __attribute__((vector_size(16)));
 
 /* Rows [row, row + mr) x the 64 columns of panel p over the whole K; then the fixup into y. */
 static ALWAYS_INLINE void tile_int8(const int8_t *x8, int64_t k, const uint8_t *panel, int mr, __m512i acc[QMR8][4]) {
-    uint16_t idx[32];
-    for (int t = 0; t < 32; ++t) idx[t] = (uint16_t)(t / 2 + (t % 2) * 32);
-    __m512i interleave;
-    memcpy(&interleave, idx, 64);
     UNROLL for (int m = 0; m < mr; ++m) UNROLL for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_si512();
     for (int64_t r = 0; r < k / 4; ++r) {
         const uint8_t *p0 = panel + 2 * r * PAIR, *p1 = p0 + PAIR;
@@ -46,7 +42,7 @@ static ALWAYS_INLINE void tile_int8(const int8_t *x8, int64_t k, const uint8_t *
         UNROLL for (int v = 0; v < 4; ++v) {
             const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p0 + 32 * v)));
             const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p1 + 32 * v)));
-            w[v] = _mm512_permutex2var_epi16(a, interleave, b);
+            w[v] = pq_pairs_to_quads(a, b);
         }
         UNROLL for (int m = 0; m < mr; ++m) {
             int32_t quad;

@@ -56,7 +56,7 @@ TP_QUANTIZED = {
     ),
 }
 ALL_MODELS = [*TP_MODELS, *TP_QUANTIZED]
-MODEL_DIR_OF: dict[str, str] = {}  # name -> checkpoint dir, once model_dirs has written them
+W8A8 = "ct-w8a8-channel"  # its TP=1 is a worker rounding o / down's inputs per rank's slice
 
 
 def run_group(size: int, model_dirs: list[str], out, kernels: str = "reference") -> dict:
@@ -74,7 +74,6 @@ def model_dirs(tmp_path_factory, quantized) -> dict[str, str]:
         dirs[name] = str(path)
     for name, (spec, family, _) in TP_QUANTIZED.items():
         dirs[name] = str(quantized(spec, family).path)
-    MODEL_DIR_OF.update(dirs)
     return dirs
 
 
@@ -105,15 +104,14 @@ def _int8_per_rank_slice(worker, ranks: int) -> None:
 
 
 def _assert_same_as_one_worker(
-    result: dict, model_dir: str, kernels: str = "reference", rel: float = 1e-5, ranks: int = 2
+    result: dict, model_dir: str, kernels: str = "reference", rel: float = 1e-5, w8a8: bool = False
 ) -> None:
     """Against one worker with the same forward (fast vs fast: the fused kernels reorder float
     math, so each is compared with its own kind; both are checked against transformers elsewhere).
     W8A8: against one reference worker that rounds the row-parallel inputs per rank's slice."""
-    w8a8 = model_dir == MODEL_DIR_OF.get("ct-w8a8-channel")
     one = Worker(tp_rank_main.config_for(model_dir, "reference" if w8a8 else kernels))
     if w8a8:
-        _int8_per_rank_slice(one, ranks)
+        _int8_per_rank_slice(one, 2)
         rel = max(rel, W8A8_TOLERANCE)
     reference = tp_rank_main.drive(one)
     assert result["tokens"] == reference["tokens"]
@@ -126,7 +124,7 @@ def _assert_same_as_one_worker(
 
 @pytest.mark.parametrize("name", ALL_MODELS)
 def test_tp2_equals_one_worker(tp2, model_dirs, name):
-    _assert_same_as_one_worker(tp2[model_dirs[name]], model_dirs[name])
+    _assert_same_as_one_worker(tp2[model_dirs[name]], model_dirs[name], w8a8=name == W8A8)
 
 
 @pytest.mark.parametrize("name", ALL_MODELS)
@@ -137,7 +135,7 @@ def test_tp2_fast_cpu_forward_equals_one_fast_worker(tp2_fast, model_dirs, name)
     # per-channel layer's activation block is gcd(its inputs, 128): o_proj's 64 inputs are one
     # block on one worker, two of 32 on two ranks (measured 1.6e-4).
     rel = TP_QUANTIZED[name][2] if name in TP_QUANTIZED else 1e-5
-    _assert_same_as_one_worker(tp2_fast[model_dirs[name]], model_dirs[name], "fast", rel)
+    _assert_same_as_one_worker(tp2_fast[model_dirs[name]], model_dirs[name], "fast", rel, w8a8=name == W8A8)
 
 
 def test_tp4_replicates_a_single_kv_head_and_shards_awq_and_gptq(model_dirs, quantized, tmp_path):
