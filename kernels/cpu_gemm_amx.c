@@ -104,31 +104,19 @@ static inline void next_panel_step(NextPanel *np) {
         _mm_prefetch(np->next + np->line * 64, _MM_HINT_T1);
 }
 
-/* Where tile_steps reads a half panel's B tiles: the resident panel (k pair rows of 256 bytes,
- * the second column tile 32 elements on) or a BCopy (below: each tile's 16 rows in 1 KiB). */
-typedef struct {
-    const uint16_t *b;   /* the B tile of columns 0..15 at the block's first k step */
-    int64_t row_stride;  /* bytes between a tile's rows */
-    int64_t step;        /* elements from one k step's tiles to the next's */
-    int64_t second;      /* elements from the columns 0..15 tile to the 16..31 one */
-} BTiles;
-
-static inline BTiles panel_tiles(const uint16_t *b) {
-    return (BTiles){b, PANEL_COLS * 2 * sizeof(uint16_t), 16 * PANEL_COLS * 2, 32};
-}
-
 /* Accumulators 0..3 += rows a0 (16) and a1 (16 more when `two`) x a half panel's 32 columns
- * (bt) over kc K rows, one 32-k step at a time: 2 A + 2 B tile loads for 4 tdpbf16ps. The one
- * tile loop of the GEMM and the fused MLP, so both sum in the same order. */
+ * (b: its first k pair) over kc K rows, one 32-k step at a time: 2 A + 2 B tile loads for 4
+ * tdpbf16ps. The one tile loop of the GEMM and the fused MLP, so both sum in the same order. */
 static inline __attribute__((always_inline)) void tile_steps(const uint16_t *a0, const uint16_t *a1,
-                                                             int64_t a_stride, BTiles bt, int64_t kc, int two,
-                                                             NextPanel *np) {
+                                                             int64_t a_stride, const uint16_t *b, int64_t kc,
+                                                             int two, NextPanel *np) {
+    const int64_t b_stride = PANEL_COLS * 2 * sizeof(uint16_t);
     for (int64_t k = 0; k < kc; k += 32) {
-        const uint16_t *bk = bt.b + (k / 32) * bt.step;
+        const uint16_t *bk = b + (k / 2) * PANEL_COLS * 2;
         next_panel_step(np);
-        _tile_loadd(6, bk, bt.row_stride);
+        _tile_loadd(6, bk, b_stride);
         _tile_loadd(4, a0 + k, a_stride);
-        _tile_loadd(7, bk + bt.second, bt.row_stride);
+        _tile_loadd(7, bk + 32, b_stride);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (two) {
@@ -139,38 +127,6 @@ static inline __attribute__((always_inline)) void tile_steps(const uint16_t *a0,
     }
 }
 
-/* A half panel's K block copied so that each B tile's 16 rows are 1 KiB in a row (k step s's
- * two tiles at s * 1024 and s * 1024 + 512 elements), into a buffer on the thread's stack that
- * the chunk's row blocks then read. In place a tile is 16 rows 256 bytes apart. Where it pays
- * (bench.build_ab, copy against none, same bits; docs/PERF.md, the twentieth session): the
- * batch-64 decode step 1.06-1.14x (six comparisons in three runs), whose row chunks read each B tile
- * twice and whose fused greedy LM head streams 151,936 columns past 64 rows. At 256-row chunks
- * (prefill) the forward's figures scattered around 1.0 (0.84-1.05) on a host whose speed moves
- * +-15 % between builds of the same code, so those chunks, and 32 rows or fewer (each B tile read
- * once), read the panel in place. A scratch loop of the tiles alone had found more (1.04-1.08x at
- * 64 rows, 1.13-1.22x at 128-256) than the forward shows. */
-#ifndef AMX_B_COPY
-#define AMX_B_COPY 1
-#endif
-#ifndef AMX_B_COPY_MIN_ROWS
-#define AMX_B_COPY_MIN_ROWS 33
-#endif
-#ifndef AMX_B_COPY_MAX_ROWS
-#define AMX_B_COPY_MAX_ROWS 128
-#endif
-#define B_COPY_ELEMS (AMX_KC * 32) /* a half panel's K block: 64 KiB at AMX_KC 1024 */
-
-static BTiles copy_half_panel(uint16_t *copy, const uint16_t *b, int64_t kc) {
-    for (int64_t s = 0; s < kc / 32; ++s)
-        for (int r = 0; r < 16; ++r) {
-            const uint16_t *src = b + (s * 16 + r) * PANEL_COLS * 2;
-            uint16_t *dst = copy + s * 1024 + r * 32;
-            _mm512_store_si512(dst, _mm512_loadu_si512(src));
-            _mm512_store_si512(dst + 512, _mm512_loadu_si512(src + 32));
-        }
-    return (BTiles){copy, 64, 1024, 512};
-}
-
 /* One 32-column half of a panel (b: its first k pair of this K block) x rows [row0, row_end) of
  * the chunk, over K rows [k0, k0 + kc). y points at the half's first column; n: y's valid
  * columns from there. The half's B block (32 columns x kc) stays in L1 while the rows' A tiles
@@ -178,11 +134,8 @@ static BTiles copy_half_panel(uint16_t *copy, const uint16_t *b, int64_t kc) {
 static void half_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *b, int64_t m,
                        int64_t n, int64_t row0, int64_t row_end, int64_t k0, int64_t kc, NextPanel *np) {
     float tmp[16 * 16];
-    uint16_t copy[B_COPY_ELEMS] __attribute__((aligned(64)));
     const int first = k0 == 0;
     const int64_t a_stride = lda16 * (int64_t)sizeof(uint16_t);
-    const int copies = AMX_B_COPY && row_end - row0 >= AMX_B_COPY_MIN_ROWS && row_end - row0 <= AMX_B_COPY_MAX_ROWS;
-    const BTiles bt = copies ? copy_half_panel(copy, b, kc) : panel_tiles(b);
     for (int64_t row = row0; row < row_end; row += 32) {
         const uint16_t *a0 = a16 + row * lda16 + k0, *a1 = a0 + 16 * lda16;
         const int two = m - row > 16; /* a second 16-row half: else 1 x 2 tiles */
@@ -192,7 +145,7 @@ static void half_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16
             LOAD_TILE(2, row + 16, 0);
             LOAD_TILE(3, row + 16, 16);
         }
-        tile_steps(a0, a1, a_stride, bt, kc, two, np);
+        tile_steps(a0, a1, a_stride, b, kc, two, np);
         if (two) {
             STORE_TILE(2, row + 16, 0);
             STORE_TILE(3, row + 16, 16);
@@ -262,7 +215,7 @@ void amx_tiles_end(void) { _tile_release(); }
 /* c [32 x 32] (row stride 32) = 32 rows of a16 from a0 (16 when !two) x the half panel b over
  * k32 K rows, with the tile steps of half_panel in the same order, so each sum equals the bits
  * half_panel stores (it keeps a K block's partial sums in fp32 between blocks: exact). */
-static void block_32x32(float *c, const uint16_t *a0, int64_t lda16, BTiles b, int64_t k32, int two,
+static void block_32x32(float *c, const uint16_t *a0, int64_t lda16, const uint16_t *b, int64_t k32, int two,
                         NextPanel *np) {
     const int64_t a_stride = lda16 * (int64_t)sizeof(uint16_t);
     const uint16_t *a1 = a0 + 16 * lda16;
@@ -293,11 +246,10 @@ void amx_bf16_gate_up_silu_panel(uint16_t *act16, const uint16_t *a16, int64_t l
     for (int half = 0; half < 2; ++half) {
         const int64_t col = p * PANEL_COLS + half * 32;
         const uint16_t *bg = w + p * k32 * PANEL_COLS + half * 64, *bu = bg + up_panels * k32 * PANEL_COLS;
-        const BTiles gt = panel_tiles(bg), ut = panel_tiles(bu);
         for (int64_t row = 0; row < m; row += 32)
-            block_32x32(gate + row * 32, a16 + row * lda16, lda16, gt, k32, m - row > 16, &np);
+            block_32x32(gate + row * 32, a16 + row * lda16, lda16, bg, k32, m - row > 16, &np);
         for (int64_t row = 0; row < m; row += 32) {
-            block_32x32(up, a16 + row * lda16, lda16, ut, k32, m - row > 16, &npu);
+            block_32x32(up, a16 + row * lda16, lda16, bu, k32, m - row > 16, &npu);
             const int64_t rows = m - row < 32 ? m - row : 32;
             for (int64_t r = 0; r < rows; ++r) {
                 const float *g = gate + (row + r) * 32, *u = up + r * 32;
