@@ -27,7 +27,13 @@ import random
 import torch
 
 from base.plan import SamplingParams
-from bench.ceilings import QWEN05_SHAPES, best_seconds, packed_gemm_gflops, streaming_gemm_gflops
+from bench.ceilings import (
+    QWEN05_SHAPES,
+    best_seconds,
+    engine_rate_gflops,
+    packed_gemm_gflops,
+    streaming_gemm_gflops,
+)
 from bench.common import TimedWorker, decode_steps_lockstep, engine_for, median
 from bench.report import machine
 from bench.suite_cli import suite_main
@@ -129,6 +135,7 @@ def run(quick: bool = False) -> dict:
         )
         return res
     ops = {name: _load_variant(name) for name in VARIANTS}
+    res["engine_rate_before"] = engine_rate_gflops(torch.get_num_threads())  # the tiles' rate this minute
     res.update(gemm_rates(ops, rounds=2 if quick else 4, repeats=2 if quick else 4))
     # the heap frozen after the load, as `serve`'s worker process does
     workers = frozen_after(lambda: {name: _worker(name) for name in VARIANTS})()
@@ -157,6 +164,7 @@ def run(quick: bool = False) -> dict:
         res[f"decode_b{batch}_onednn_streaming_gflops"] = streaming
         res[f"decode_b{batch}_speedup"] = seconds[VARIANTS[0]] / seconds[VARIANTS[1]]
     res["loadavg_after"] = open("/proc/loadavg").read().split()[:3]
+    res["engine_rate_after"] = engine_rate_gflops(torch.get_num_threads())
     return res
 
 

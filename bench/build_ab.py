@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from bench.ceilings import best_seconds, model_gemm_shapes
+from bench.ceilings import best_seconds, engine_rate_gflops, model_gemm_shapes
 from bench.common import decode_steps_lockstep, median, paged_decode_attention, random_decode_layout
 from bench.report import machine
 from kernels import cpu_build, cpu_variants
@@ -265,10 +265,12 @@ def main() -> None:
             "variant": next(iter(ops.values())).variant,
             "threads": torch.get_num_threads(),
             "loadavg_before": open("/proc/loadavg").read().split()[:3],
+            "engine_rate_before": engine_rate_gflops(torch.get_num_threads()),
             "linears": linears(ops, getattr(torch, args.dtype), args.rows, gguf=args.gguf),
             "forward": forward_steps(ops, args.dtype, args.decode, args.prefill, args.context, args.model),
             "attention": attention(ops, cases, args.attention_layers),
             "loadavg_after": open("/proc/loadavg").read().split()[:3],
+            "engine_rate_after": engine_rate_gflops(torch.get_num_threads()),
         }
     print(json.dumps(res, indent=1))
 

@@ -31,6 +31,12 @@ def test_isa_peaks():
         assert peaks["amx_bf16"] > 0.1
 
 
+def test_engine_rate_names_the_engine_a_gemm_runs_on():
+    rate = ceilings.engine_rate_gflops(threads=1)
+    assert rate["engine"] == ceilings.matrix_engine()
+    assert rate["gflops"] > 0.1
+
+
 def test_reports_divide_by_the_engine_the_cpu_has():
     peaks = {"fp32": 100.0, "bf16": 200.0, "amx_bf16": 1600.0}
     assert ceilings.engine_peak_gflops(peaks, "bfloat16") == 1600.0
