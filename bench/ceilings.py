@@ -117,18 +117,12 @@ def isa_peak_gflops(threads: int = 2, iters: int = 20_000_000, repeats: int = 3)
 
 
 def engine_rate_gflops(threads: int = 2) -> dict:
-    """{"engine": matrix_engine(), "gflops": the rate of that engine's register-resident chains
-    now (best of 2 short runs)}: a kernel A/B prints it before and after, because a shared host's
+    """{"engine": matrix_engine(), "gflops": engine_peak_gflops of short isa_peak_gflops runs}:
+    the rate of this minute, which a kernel A/B prints before and after, because a shared host's
     tile rate can move 4x between minutes (bench/results/amx-spr-2026-12-03.md), and a ratio
     holds only for the machine it was taken on."""
-    lib, sink, engine = _library(), ctypes.c_float(), matrix_engine()
-    if engine == "amx":
-        rate = max(lib.ceil_amx_bf16(threads, 200_000, ctypes.byref(sink)) for _ in range(2))
-    elif engine == "avx512_bf16":
-        rate = max(lib.ceil_dpbf16(threads, 5_000_000, ctypes.byref(sink)) for _ in range(2))
-    else:
-        rate = max(lib.ceil_fma_fp32(threads, 5_000_000, ctypes.byref(sink)) for _ in range(2))
-    return {"engine": engine, "gflops": round(rate, 1) if rate > 0 else None}
+    peaks = isa_peak_gflops(threads, iters=2_000_000, repeats=2)
+    return {"engine": matrix_engine(), "gflops": round(engine_peak_gflops(peaks, "bfloat16"), 1)}
 
 
 def matrix_engine() -> str:
