@@ -104,16 +104,45 @@ static inline void next_panel_step(NextPanel *np) {
         _mm_prefetch(np->next + np->line * 64, _MM_HINT_T1);
 }
 
+/* The next 32 x 32 block of y (2 lines a row), pulled into L1 for writing a few lines per k step
+ * while this block's tiles run, so its tile stores (and, after the first K block, its tile
+ * loads) find the lines in cache instead of waiting on L3 for them. y is written once per
+ * linear and outgrows L2 from a few hundred rows (256 x 4,864 fp32: 5 MiB). Measured on the
+ * 2-core Sapphire-Rapids-class VM against AMX_PF_C=0, the 0.5B's linears in model order without
+ * the LM head, 15 paired rounds (median control / this): 64 rows 1.10x, 256 rows 1.16x, 1,024
+ * rows 1.12x, same bits (docs/PERF.md). */
+#ifndef AMX_PF_C
+#define AMX_PF_C 1
+#endif
+typedef struct {
+    const char *row; /* the next block's first row (its half panel's first column); NULL: none */
+    int64_t row_bytes; /* y's row stride */
+    int line, lines, per_step;
+} NextBlock;
+
+static inline NextBlock next_block(const float *y, int64_t ldc, int64_t rows, int64_t steps) {
+    const int lines = (int)(AMX_PF_C && rows > 0 ? 2 * rows : 0);
+    return (NextBlock){lines ? (const char *)y : NULL, ldc * (int64_t)sizeof(float), 0, lines,
+                       (int)((lines + steps - 1) / steps)};
+}
+
+static inline void next_block_step(NextBlock *nb) {
+    if (!nb || !nb->row) return;
+    for (int l = 0; l < nb->per_step && nb->line < nb->lines; ++l, ++nb->line)
+        __builtin_prefetch(nb->row + (nb->line >> 1) * nb->row_bytes + (nb->line & 1) * 64, 1, 3);
+}
+
 /* Accumulators 0..3 += rows a0 (16) and a1 (16 more when `two`) x a half panel's 32 columns
  * (b: its first k pair) over kc K rows, one 32-k step at a time: 2 A + 2 B tile loads for 4
  * tdpbf16ps. The one tile loop of the GEMM and the fused MLP, so both sum in the same order. */
 static inline __attribute__((always_inline)) void tile_steps(const uint16_t *a0, const uint16_t *a1,
                                                              int64_t a_stride, const uint16_t *b, int64_t kc,
-                                                             int two, NextPanel *np) {
+                                                             int two, NextPanel *np, NextBlock *nb) {
     const int64_t b_stride = PANEL_COLS * 2 * sizeof(uint16_t);
     for (int64_t k = 0; k < kc; k += 32) {
         const uint16_t *bk = b + (k / 2) * PANEL_COLS * 2;
         next_panel_step(np);
+        next_block_step(nb);
         _tile_loadd(6, bk, b_stride);
         _tile_loadd(4, a0 + k, a_stride);
         _tile_loadd(7, bk + 32, b_stride);
@@ -145,7 +174,11 @@ static void half_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16
             LOAD_TILE(2, row + 16, 0);
             LOAD_TILE(3, row + 16, 16);
         }
-        tile_steps(a0, a1, a_stride, b, kc, two, np);
+        /* the next row block of this half; after the last, the other half's first */
+        const int64_t next_row = row + 32 < row_end ? row + 32 : row0, next_col = row + 32 < row_end ? 0 : 32;
+        const int64_t next_rows = n > next_col ? (m - next_row < 32 ? m - next_row : 32) : 0;
+        NextBlock nb = next_block(y + next_row * ldc + next_col, ldc, next_rows, kc / 32);
+        tile_steps(a0, a1, a_stride, b, kc, two, np, &nb);
         if (two) {
             STORE_TILE(2, row + 16, 0);
             STORE_TILE(3, row + 16, 16);
@@ -225,7 +258,7 @@ static void block_32x32(float *c, const uint16_t *a0, int64_t lda16, const uint1
         _tile_zero(2);
         _tile_zero(3);
     }
-    tile_steps(a0, a1, a_stride, b, k32, two, np);
+    tile_steps(a0, a1, a_stride, b, k32, two, np, NULL);
     _tile_stored(0, c, 32 * sizeof(float));
     _tile_stored(1, c + 16, 32 * sizeof(float));
     if (two) {
