@@ -78,16 +78,16 @@ typedef struct {
 } NextPanel;
 
 /* At most this many prefetches per k step (4 tile loads, 4 tdpbf16ps) where the panel's row
- * chunk has more than 16 rows: at 256 rows a panel's steps spread its successor's lines at 4 per
- * step anyway, but at 64 rows they would issue 16 per step, which stall the tile loads more than
- * they save (measured on a 2-core Granite-Rapids-class VM, bench.build_ab against no cap: 32-row
- * linears 1.10-1.12x, 64 rows 1.21-1.25x, 128 rows 1.11-1.15x, 256 rows 1.03x, batch-64 decode
- * step 1.06-1.08x; docs/PERF.md). The rest of the panel is left to the hardware prefetchers;
- * every other line instead of each was 0.80-0.99x. At 16 rows or fewer a step is 2 tdpbf16ps on
- * 1 x 2 tiles and the weight stream bounds it: there every line pays (with the cap: 8-row
- * linears 0.95x, batch-16 decode step 0.90-0.92x). 0: no prefetch past 16 rows. */
+ * chunk has more than 16 rows. The default is no cap: each k step pulls its share of the whole
+ * next panel. Hosts disagree here. On the 2-core Sapphire-Rapids-class VM (DRAM 17.9 GB/s read
+ * by 2 threads, 8.2 by one: a core's misses in flight bound it) a cap of 4 left most of the next
+ * panel to the hardware prefetchers and the tiles waited on memory: against it, no cap measured
+ * 32 / 64 / 128-row linears 1.3-1.6 / 1.4 / 1.2x and the batch-32 / 64 decode step 1.59 / 1.40x
+ * (15 and 7 paired rounds, same bits). On the 2-core Granite-Rapids-class VM before it, a cap of 4
+ * had measured 1.10-1.25x over none at 32-128 rows and 1.06-1.08x at the batch-64 step
+ * (bench.build_ab; docs/PERF.md). At 16 rows or fewer every line is prefetched regardless. */
 #ifndef AMX_PF_MAX
-#define AMX_PF_MAX 4
+#define AMX_PF_MAX 64
 #endif
 
 /* Prefetches of the `lines` lines at `next` (NULL: none) spread over `steps` k steps of a chunk
