@@ -152,11 +152,10 @@ def _with_ratio(times: dict[str, list[float]], pick) -> dict:
     return out
 
 
-def forward_steps(
-    ops: dict, dtype: str, batches: list[int], prefills: list[int], context: int = 128, model: str = MODEL
-) -> dict:
+def build_workers(ops: dict, dtype: str, model: str = MODEL) -> dict:
+    """{build: a fast-forward Worker of `model` on that build's kernels}, the heap frozen after
+    the load as `serve`'s worker process does."""
     import worker.cpu_forward as cpu_forward
-    from bench.amx_ab import prefill_seconds
     from pagedkv.heap import frozen_after
     from worker.worker import Worker
     from worker.worker_config import WorkerConfig
@@ -174,9 +173,17 @@ def forward_steps(
         assert worker.fast_forward.ops is o, worker.describe().forward_kernels
         return worker
 
+    return frozen_after(lambda: {key: make(o) for key, o in ops.items()})()
+
+
+def forward_steps(
+    ops: dict, dtype: str, batches: list[int], prefills: list[int], context: int = 128, model: str = MODEL
+) -> dict:
+    from bench.amx_ab import prefill_seconds
+
     if not batches and not prefills:
         return {}
-    workers = frozen_after(lambda: {key: make(o) for key, o in ops.items()})()
+    workers = build_workers(ops, dtype, model)
     res = {}
     for batch in batches:
         sets = [decode_steps_lockstep(workers, steps=8, batch=batch, prompt_len=context) for _ in range(2)]
