@@ -34,7 +34,7 @@ from bench.ceilings import (
     packed_gemm_gflops,
     streaming_gemm_gflops,
 )
-from bench.common import TimedWorker, decode_steps_lockstep, engine_for, median
+from bench.common import TimedWorker, decode_steps_lockstep, engine_for, in_turn, median
 from bench.report import machine
 from bench.suite_cli import suite_main
 from kernels import cpu_build, cpu_variants
@@ -107,6 +107,13 @@ def layer_shapes(worker: Worker, lm_head: bool) -> list[tuple[int, int]]:
 
 def prefill_seconds(workers: dict, length: int, rounds: int) -> dict:
     """Median seconds of a one-prompt prefill step of `length` tokens per worker, interleaved."""
+    return {key: median(s) for key, s in prefill_samples(workers, length, rounds).items()}
+
+
+def prefill_samples(workers: dict, length: int, rounds: int, alternate: bool = False) -> dict:
+    """Seconds of `rounds` one-prompt prefill steps of `length` tokens per worker (after one
+    warm-up round), the workers in turn within each round (`alternate`: the order reversed every
+    other round), the i-th sample of each from the same round."""
     vocab = next(iter(workers.values())).describe().vocab_size
     timed = {key: TimedWorker(w) for key, w in workers.items()}
     engines = {
@@ -116,10 +123,11 @@ def prefill_seconds(workers: dict, length: int, rounds: int) -> dict:
     for r in range(rounds + 1):  # the first round warms up
         rng = random.Random(r)
         tokens = [rng.randrange(vocab) for _ in range(length)]
-        for key, engine in engines.items():
-            engine.add_request(f"p{length}-{r}-{key}", tokens, SamplingParams(max_tokens=1, ignore_eos=True))
-            engine.run_to_completion()
-    return {key: median([s for _, k, s in t.samples if k == length][1:]) for key, t in timed.items()}
+        for key in in_turn(engines, r, alternate):
+            once = SamplingParams(max_tokens=1, ignore_eos=True)
+            engines[key].add_request(f"p{length}-{r}-{key}", tokens, once)
+            engines[key].run_to_completion()
+    return {key: [s for _, k, s in t.samples if k == length][1:] for key, t in timed.items()}
 
 
 def run(quick: bool = False) -> dict:

@@ -79,15 +79,39 @@ def decode_step_seconds(worker, batch: int, steps: int, warmup: int = 2, seed: i
     return decode_steps_lockstep({batch: worker}, steps, warmup, seed)[batch]
 
 
+def in_turn(keys, turn: int, alternate: bool = True) -> list:
+    """`keys` in order, or (`alternate`, odd turns) reversed: A/B runs taking turns so that no
+    side always runs right after the other."""
+    keys = list(keys)
+    return keys[::-1] if alternate and turn % 2 else keys
+
+
 def decode_steps_lockstep(
     workers: dict, steps: int, warmup: int = 2, seed: int = 0, batch: int | None = None, prompt_len: int = 32
 ) -> dict:
     """`decode_step_seconds` for several workers at once, stepping their engines in turn so that
-    a burst of background load on this shared machine lands on every one alike. Keys are batch
-    sizes (one worker per batch size: seq ids would collide in one), or, given `batch`, any
-    labels of an A/B at one batch size. Prompts of `prompt_len` tokens (the context the decodes
-    attend to) are prefilled first, in as many chunks as the token budget needs; only steps that
-    decode every sequence count."""
+    a burst of background load on this shared machine lands on every one alike: the median of
+    decode_step_samples' steps per worker."""
+    samples = decode_step_samples(workers, steps, warmup, seed, batch, prompt_len)
+    return {key: median(s) for key, s in samples.items()}
+
+
+def decode_step_samples(
+    workers: dict,
+    steps: int,
+    warmup: int = 2,
+    seed: int = 0,
+    batch: int | None = None,
+    prompt_len: int = 32,
+    alternate: bool = False,
+) -> dict[object, list[float]]:
+    """Seconds of `steps` full decode steps per worker (after `warmup`), the workers' engines
+    stepped in turn (`alternate`: the order reversed every other turn, so that no worker always
+    runs right after another), the i-th sample of each from the same turn. Keys are batch sizes
+    (one worker per batch size: seq ids would collide in one), or, given `batch`, any labels of
+    an A/B at one batch size. Prompts of `prompt_len` tokens (the context the decodes attend to)
+    are prefilled first, in as many chunks as the token budget needs; only steps that decode every
+    sequence count."""
     sizes = {key: batch or key for key in workers}
     timed = {key: TimedWorker(w) for key, w in workers.items()}
     engines = {}
@@ -101,14 +125,16 @@ def decode_steps_lockstep(
     def full_decodes(key) -> list[float]:
         return [s for n, k, s in timed[key].samples if n == sizes[key] and k == sizes[key]]
 
+    turn = 0
     while any(len(full_decodes(key)) < warmup + steps for key in engines):
         if not all(e.scheduler.has_pending_work() for e in engines.values()):
             raise AssertionError(f"the requests finished before {warmup + steps} full decode steps")
-        for engine in engines.values():
-            engine.step()
+        for key in in_turn(engines, turn, alternate):
+            engines[key].step()
+        turn += 1
     result = {}
     for key, engine in engines.items():
-        result[key] = median(full_decodes(key)[warmup : warmup + steps])
+        result[key] = full_decodes(key)[warmup : warmup + steps]
         engine.scheduler.abort_all()
         engine.run_to_completion()
     return result

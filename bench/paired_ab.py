@@ -9,7 +9,7 @@ each build over the rounds compares different minutes; a ratio inside one round 
   unless --no-lm-head, which a prefill runs on one row), one pass per build per round;
 - prefill: one prompt of each --prefill length, a step per build per round;
 - decode: --decode sequences of 128-token prompts, the builds' engines stepped in turn; each full
-  decode step is a round.
+  decode step is a round (bench.common.decode_step_samples; prefill: bench.amx_ab.prefill_samples).
 
 The first build is the control; ratio > 1: the build is faster. A tool for kernel work, not part
 of `make bench`:
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import tempfile
 import time
@@ -30,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from base.plan import SamplingParams
+from bench.amx_ab import prefill_samples
 from bench.build_ab import QWEN05_LINEARS, _ints, build_all, build_workers
 from bench.ceilings import engine_rate_gflops
-from bench.common import TimedWorker, add_requests, engine_for
+from bench.common import decode_step_samples, in_turn
 from bench.report import machine
 from worker.cpu_weights import PanelLinear
 
@@ -58,10 +57,6 @@ def _summaries(times: dict[str, list[float]]) -> dict:
     return {key: paired_summary(times[keys[0]], times[key]) for key in keys[1:]}
 
 
-def _in_turn(keys: list, r: int) -> list:
-    return keys if r % 2 == 0 else keys[::-1]
-
-
 def linears(ops: dict, rows_list: list[int], rounds: int, lm_head: bool) -> dict:
     shapes = QWEN05_LINEARS if lm_head else QWEN05_LINEARS[:-1]
     weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in shapes]
@@ -81,58 +76,9 @@ def linears(ops: dict, rows_list: list[int], rounds: int, lm_head: bool) -> dict
             one_pass(key)
         times: dict[str, list[float]] = {key: [] for key in ops}
         for r in range(rounds):
-            for key in _in_turn(list(ops), r):
+            for key in in_turn(ops, r):
                 times[key].append(one_pass(key))
         res[f"rows_{rows}"] = _summaries(times)
-    return res
-
-
-def prefills(timed: dict, lengths: list[int], rounds: int) -> dict:
-    vocab = next(iter(timed.values())).describe().vocab_size
-    res = {}
-    for length in lengths:
-        engines = {
-            key: engine_for(t, max_num_seqs=1, caching=False, budget=max(8192, length))
-            for key, t in timed.items()
-        }
-        times: dict[str, list[float]] = {key: [] for key in timed}
-        for r in range(rounds + 1):  # round 0 warms up
-            rng = random.Random(r)
-            tokens = [rng.randrange(vocab) for _ in range(length)]
-            for key in _in_turn(list(timed), r):
-                first = len(timed[key].samples)
-                once = SamplingParams(max_tokens=1, ignore_eos=True)
-                engines[key].add_request(f"p{length}-{r}", tokens, once)
-                engines[key].run_to_completion()
-                if r:
-                    times[key].append(sum(s for _, k, s in timed[key].samples[first:] if k == length))
-        res[f"prefill_{length}"] = _summaries(times)
-    return res
-
-
-def decodes(timed: dict, batches: list[int], rounds: int, warmup: int = 2) -> dict:
-    res = {}
-    for batch in batches:
-        engines = {}
-        for key, t in timed.items():
-            engines[key] = engine_for(t, max_num_seqs=batch, caching=False)
-            # prompts fill 1-2 steps first (engine_for's budget); enough tokens for every round after
-            add_requests(engines[key], random.Random(0), batch, 128, rounds + warmup + 4, f"d{batch}")
-        times: dict[str, list[float]] = {key: [] for key in timed}
-        step = 0
-        while min(len(v) for v in times.values()) < rounds + warmup:
-            if not all(e.scheduler.has_pending_work() for e in engines.values()):
-                raise AssertionError(f"the requests finished before {rounds + warmup} full decode steps")
-            for key in _in_turn(list(timed), step):
-                first = len(timed[key].samples)
-                engines[key].step()
-                times[key] += [s for n, k, s in timed[key].samples[first:] if n == batch and k == batch]
-            step += 1
-        n = min(len(v) for v in times.values())
-        res[f"decode_b{batch}"] = _summaries({key: v[warmup:n] for key, v in times.items()})
-        for engine in engines.values():
-            engine.scheduler.abort_all()
-            engine.run_to_completion()
     return res
 
 
@@ -157,9 +103,17 @@ def main() -> None:
             "linears": linears(ops, args.rows, args.rounds, not args.no_lm_head),
         }
         if args.prefill or args.decode:
-            timed = {key: TimedWorker(w) for key, w in build_workers(ops, "bfloat16").items()}
-            res["prefill"] = prefills(timed, args.prefill, args.rounds)
-            res["decode"] = decodes(timed, args.decode, args.rounds)
+            workers = build_workers(ops, "bfloat16")
+            res["prefill"] = {
+                f"prefill_{n}": _summaries(prefill_samples(workers, n, args.rounds, alternate=True))
+                for n in args.prefill
+            }
+            res["decode"] = {
+                f"decode_b{b}": _summaries(
+                    decode_step_samples(workers, args.rounds, batch=b, prompt_len=128, alternate=True)
+                )
+                for b in args.decode
+            }
         res["engine_rate_after"] = engine_rate_gflops(torch.get_num_threads())
     print(json.dumps(res, indent=1))
 

@@ -1,7 +1,8 @@
 """bench.paired_ab's summary: ratios are taken inside each round, so a host whose speed swings
 between rounds leaves them intact where best-of picks across rounds would not."""
 
-from bench.paired_ab import _in_turn, paired_summary
+from bench.common import in_turn
+from bench.paired_ab import paired_summary
 
 
 def test_a_build_twice_as_fast_in_every_round_reads_two_however_the_rounds_swing():
@@ -18,5 +19,6 @@ def test_the_median_ignores_one_disturbed_round():
 
 
 def test_the_builds_take_turns_going_first():
-    assert _in_turn(["a", "b", "c"], 0) == ["a", "b", "c"]
-    assert _in_turn(["a", "b", "c"], 1) == ["c", "b", "a"]
+    assert in_turn(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert in_turn(["a", "b", "c"], 1) == ["c", "b", "a"]
+    assert in_turn(["a", "b", "c"], 1, alternate=False) == ["a", "b", "c"]
