@@ -111,6 +111,17 @@ static inline void next_panel_step(NextPanel *np) {
  * 2-core Sapphire-Rapids-class VM against AMX_PF_C=0, the 0.5B's linears in model order without
  * the LM head, 15 paired rounds (median control / this): 64 rows 1.10x, 256 rows 1.16x, 1,024
  * rows 1.12x, same bits (docs/PERF.md). */
+/* A panel run whole (amx_bf16_panel) prefetches the K block that runs after the current one: its
+ * own next K block, after its last the next panel's first. Without it (0) each K block pulled the
+ * next panel's same K block, and a panel of several K blocks (the down projection, K = 4,864)
+ * held three panels' worth in L2 (x's rows, its own, the next) and started cold. Measured on the
+ * 2-core Sapphire-Rapids-class VM, 24 down projections 896 x 4,864 whose weights do not stay in
+ * cache, 11 paired rounds (median control / this): 64 rows 1.27x, 16 rows 1.15x, same bits; the
+ * 0.5B's linears in model order 1.08 / 1.06x at 64 / 16 rows, the batch-64 decode step 1.07x
+ * (docs/PERF.md). Linears of one K block prefetch as before. */
+#ifndef AMX_PF_ORDER
+#define AMX_PF_ORDER 1
+#endif
 #ifndef AMX_PF_C
 #define AMX_PF_C 1
 #endif
@@ -216,22 +227,43 @@ int amx_bf16_panels(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, c
     return 0;
 }
 
-void amx_bf16_panel_block(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
-                          int64_t n, int64_t kp, int64_t k32, int64_t p, int64_t k0, int64_t row0, int prefetch_next) {
+/* One K block [k0, k0 + AMX_KC) and row chunk of panel p, prefetching `lines` lines from `ahead`
+ * (NULL: none) meanwhile. */
+static void panel_block_ahead(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w,
+                              int64_t m, int64_t n, int64_t kp, int64_t k32, int64_t p, int64_t k0, int64_t row0,
+                              const uint16_t *ahead, int64_t lines) {
     const int64_t kc = k32 - k0 < AMX_KC ? k32 - k0 : AMX_KC;
     const int64_t row_end = m - row0 < AMX_MC ? m : row0 + AMX_MC;
-    const uint16_t *next = w + (p + 1) * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2;
-    /* the next panel's K block is kc * 128 bytes = kc * 2 lines */
-    NextPanel np = next_panel(prefetch_next ? next : NULL, kc * 2, panel_steps(row0, row_end, kc), row_end - row0);
+    NextPanel np = next_panel(ahead, lines, panel_steps(row0, row_end, kc), row_end - row0);
     panel_block(y, ldc, a16, lda16, w, m, n, kp, p, row0, row_end, k0, kc, &np);
+}
+
+/* Panel p's K block from K row k0 (a K row pair is 64 columns x 2 bf16 = 2 lines), and its lines. */
+static const uint16_t *k_block(const uint16_t *w, int64_t kp, int64_t p, int64_t k0) {
+    return w + p * kp * PANEL_COLS + (k0 / 2) * PANEL_COLS * 2;
+}
+
+static int64_t k_block_lines(int64_t k32, int64_t k0) { return 2 * (k32 - k0 < AMX_KC ? k32 - k0 : AMX_KC); }
+
+void amx_bf16_panel_block(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
+                          int64_t n, int64_t kp, int64_t k32, int64_t p, int64_t k0, int64_t row0, int prefetch_next) {
+    /* the next panel's same K block: the next unit of the K block > row chunk > panel order */
+    panel_block_ahead(y, ldc, a16, lda16, w, m, n, kp, k32, p, k0, row0,
+                      prefetch_next ? k_block(w, kp, p + 1, k0) : NULL, k_block_lines(k32, k0));
 }
 
 void amx_bf16_panel(float *y, int64_t ldc, const uint16_t *a16, int64_t lda16, const uint16_t *w, int64_t m,
                     int64_t n, int64_t kp, int64_t k32, int64_t p, int prefetch_next) {
-    /* the next panel's K block while the first row chunk of this one runs */
     for (int64_t k0 = 0; k0 < k32; k0 += AMX_KC)
-        for (int64_t row0 = 0; row0 < m; row0 += AMX_MC)
-            amx_bf16_panel_block(y, ldc, a16, lda16, w, m, n, kp, k32, p, k0, row0, prefetch_next && row0 == 0);
+        for (int64_t row0 = 0; row0 < m; row0 += AMX_MC) {
+            /* while the first row chunk runs: the K block that runs next (AMX_PF_ORDER), else the
+             * next panel's same one */
+            const int within = AMX_PF_ORDER && k0 + AMX_KC < k32;
+            const int64_t ahead_p = within ? p : p + 1, ahead_k0 = within ? k0 + AMX_KC : AMX_PF_ORDER ? 0 : k0;
+            const int any = row0 == 0 && (within || prefetch_next);
+            panel_block_ahead(y, ldc, a16, lda16, w, m, n, kp, k32, p, k0, row0,
+                              any ? k_block(w, kp, ahead_p, ahead_k0) : NULL, k_block_lines(k32, ahead_k0));
+        }
 }
 
 /* amx_bf16_panel runs a panel's K blocks and row chunks with the panel outermost, so x's K block
