@@ -119,6 +119,7 @@ SIGNATURES = {
     "pk_mlp": (_INT, (_P, _P, _P, _P, _P, _I64, _I64, _I64, _P, _INT)),
     "pk_mlp_scratch_bytes": (_I64, (_I64, _I64)),
     "pk_panel_share_check": (_INT, (_I64, _INT, _I64, _P, _P)),
+    "pk_lane_argmax_check": (_INT, (_P, _I64, _I64, _I64, _P, _I64, _P)),
     "pq_linear": (
         _INT,
         (_INT, _P, _I64, _P, _I64, _P, _P, _INT, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT),

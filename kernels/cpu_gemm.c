@@ -25,8 +25,8 @@
 #include "cpu_simd.h"
 
 #ifndef PK_PANEL_STEALING
-/* run_panels and pk_mlp's gate/up pass: a thread done with its panels takes the others' last
- * ones; 0 builds the static split (the A/B's control) */
+/* run_panels, pk_mlp's gate/up pass and pk_linear_argmax: a thread done with its panels takes
+ * the others' last ones; 0 builds the static split (the A/B's control) */
 #define PK_PANEL_STEALING 1
 #endif
 
@@ -181,30 +181,31 @@ int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, con
     return status;
 }
 
-/* One thread's panels [p_begin, p_end) of pk_linear_argmax: each panel's y columns into the
- * thread's scratch [m, NR] with pk_linear's arithmetic (tiles, the K tail, the bias), then
- * folded into the rows' lanes. */
-static void argmax_panels(const Gemm *g, const float *bias, int64_t k_tiles, int64_t p_begin, int64_t p_end,
-                          float *scratch, LaneMax *lanes) {
-    const int64_t m = g->m, n = g->n;
-    Gemm t = *g;
-    t.c = scratch, t.ldc = NR;
-    lane_max_reset(lanes, m);
-    if (k_tiles) amx_tiles_begin();
-    for (int64_t p = p_begin; p < p_end; ++p) {
-        const int64_t col0 = p * NR, ncols = n - col0 < NR ? n - col0 : NR;
-        t.c_col = col0;
-        whole_panel(&t, p, p_end, k_tiles);
-        if (bias)
-            for (int64_t r = 0; r < m; ++r)
-                for (int64_t j = 0; j < ncols; ++j) scratch[r * NR + j] += bias[col0 + j];
-        lane_max_fold(lanes, scratch, NR, m, col0, n);
-    }
-    if (k_tiles) amx_tiles_end();
+/* One thread's part of pk_linear_argmax: its Gemm (c = the thread's scratch [m, NR]) and lanes. */
+typedef struct {
+    Gemm g;
+    const float *bias;
+    int64_t k_tiles;
+    LaneMax *lanes;
+} ArgmaxRun;
+
+/* PanelWork of pk_linear_argmax: panel p's y columns into the thread's scratch with pk_linear's
+ * arithmetic (tiles, the K tail, the bias), then folded into the rows' lanes. */
+static void one_argmax_panel(void *ctx, int64_t p, int64_t ahead) {
+    ArgmaxRun *run = ctx;
+    Gemm *t = &run->g;
+    const int64_t m = t->m, n = t->n, col0 = p * NR, ncols = n - col0 < NR ? n - col0 : NR;
+    t->c_col = col0;
+    whole_panel(t, p, ahead == p + 1 ? p + 2 : p + 1, run->k_tiles);
+    if (run->bias)
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t j = 0; j < ncols; ++j) t->c[r * NR + j] += run->bias[col0 + j];
+    lane_max_fold(run->lanes, t->c, NR, m, col0, n);
 }
 
-/* cpu_gemm.h. The threads split the panels as pk_linear's do and keep their own lanes; the
- * merge then takes every thread's lanes (ties to the smallest column, as in one pass). */
+/* cpu_gemm.h. The threads share the panels out as pk_linear's do (stealing at the end) and keep
+ * their own lanes; the merge then takes every thread's lanes (ties to the smallest column, as in
+ * one pass). */
 int pk_linear_argmax(int dtype, int64_t *ids, const float *x, int64_t lda, const void *w, const float *bias,
                      int64_t m, int64_t n, int64_t k, int64_t kp, int threads) {
     Gemm g = {dtype, NULL, NR, x, lda, NULL, 0, w, m, n, kp, 0, 0};
@@ -234,14 +235,24 @@ int pk_linear_argmax(int dtype, int64_t *ids, const float *x, int64_t lda, const
         return -1;
     }
     int used = 1;
+    PanelShare shares[nthreads];
 #pragma omp parallel num_threads(nthreads)
     {
         int t, nt;
         thread_slot(&t, &nt);
         if (t == 0) used = nt;
         char *mine = scratch + per_thread * (size_t)t;
-        argmax_panels(&g, bias, k_tiles, panels * t / nt, panels * (t + 1) / nt, (float *)mine,
-                      (LaneMax *)(mine + y_bytes));
+        ArgmaxRun run = {g, bias, k_tiles, (LaneMax *)(mine + y_bytes)};
+        run.g.c = (float *)mine, run.g.ldc = NR;
+        lane_max_reset(run.lanes, m);
+        if (k_tiles) amx_tiles_begin();
+        if (nt > 1 && PK_PANEL_STEALING) {
+            run_shared_panels(shares, t, nt, panels, one_argmax_panel, &run);
+        } else {
+            for (int64_t p = panels * t / nt; p < panels * (t + 1) / nt; ++p)
+                one_argmax_panel(&run, p, p + 1 < panels * (t + 1) / nt ? p + 1 : -1);
+        }
+        if (k_tiles) amx_tiles_end();
     }
     for (int64_t r = 0; r < m; ++r) {
         float v = -INFINITY;
@@ -251,6 +262,25 @@ int pk_linear_argmax(int dtype, int64_t *ids, const float *x, int64_t lda, const
         ids[r] = c == LANE_UNSET ? 0 : c;
     }
     free(scratch), free(rounded);
+    return 0;
+}
+
+/* The lanes checked from Python (tests/kernels/test_cpu_linear_argmax.py): ids[r] = the argmax of
+ * row r of y [rows, ld] over columns < n, its panels of NR columns folded in `order` (a thief
+ * takes another thread's panels from the back), one set of lanes. 0, or -1 without memory. */
+int pk_lane_argmax_check(const float *y, int64_t ld, int64_t rows, int64_t n, const int64_t *order, int64_t panels,
+                         int64_t *ids) {
+    LaneMax *lanes = aligned_alloc(64, (size_t)(rows > 0 ? rows : 1) * sizeof(LaneMax));
+    if (!lanes) return -1;
+    lane_max_reset(lanes, rows);
+    for (int64_t i = 0; i < panels; ++i) lane_max_fold(lanes, y + order[i] * NR, ld, rows, order[i] * NR, n);
+    for (int64_t r = 0; r < rows; ++r) {
+        float v = -INFINITY;
+        int32_t c = LANE_UNSET;
+        lane_max_merge(lanes + r, &v, &c);
+        ids[r] = c == LANE_UNSET ? 0 : c;
+    }
+    free(lanes);
     return 0;
 }
 

@@ -17,6 +17,9 @@ int pk_linear(int dtype, float *y, int64_t ldc, const float *x, int64_t lda, con
  * scratch memory, -2 for odd K in bf16 where pk_linear refuses it too. */
 int pk_linear_argmax(int dtype, int64_t *ids, const float *x, int64_t lda, const void *w, const float *bias,
                      int64_t m, int64_t n, int64_t k, int64_t kp, int threads);
+/* pk_linear_argmax's lanes over a given y, its panels folded in `order`: the test's check. */
+int pk_lane_argmax_check(const float *y, int64_t ld, int64_t rows, int64_t n, const int64_t *order, int64_t panels,
+                         int64_t *ids);
 
 /* Writes weight rows [n0, n0 + PK_PANEL_COLS) x k [k0, k0 + kc) as one bf16 panel chunk:
  * element (n0 + j, k0 + i) at chunk[(i / 2) * 2 PK_PANEL_COLS + 2 j + i % 2], zeros for rows

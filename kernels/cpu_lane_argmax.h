@@ -4,9 +4,10 @@
  * first NaN wins).
  *
  * Each row keeps VN lanes: lane l holds the best value among the row's columns seen so far at
- * positions = l (mod VN) and the first column holding it. Columns arrive in ascending order
- * and a lane takes a value only when strictly better, so each lane keeps its first occurrence;
- * the row's answer is then the best lane, ties to the smallest column. */
+ * positions = l (mod VN) and the smallest column holding it: a lane takes a value that is
+ * strictly better, or equal at a smaller column, so panels may arrive in any order (a thread
+ * that steals another's panels takes them from the back). The row's answer is then the best
+ * lane, ties to the smallest column. */
 #ifndef PAGEDKV_CPU_LANE_ARGMAX_H
 #define PAGEDKV_CPU_LANE_ARGMAX_H
 
@@ -43,7 +44,10 @@ static inline void lane_max_fold(LaneMax *lanes, const float *y, int64_t ld, int
         for (int j = 0; j < 64; j += VN) {
             const vn v = loadn(y + r * ld + j);
             const vni cols = iota + (int32_t)(col0 + j);
-            const vni take = ((v > best) | ((v != v) & (best == best)) | (col == LANE_UNSET)) & (cols < (int32_t)n);
+            const vni same = (v == best) | ((v != v) & (best != best));
+            const vni take =
+                ((v > best) | ((v != v) & (best == best)) | (same & (cols < col)) | (col == LANE_UNSET)) &
+                (cols < (int32_t)n);
             best = selectn(take, v, best);
             col = (take & cols) | (~take & col);
         }

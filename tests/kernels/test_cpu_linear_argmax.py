@@ -3,9 +3,12 @@ pk_linear's y, computed panel by panel without writing y. Its ids are torch.argm
 pk_linear's own logits on every variant this CPU runs (AMX tiles from 4 bf16 rows, the register
 tiles, the batch-1 GEMV), every panel dtype and shape class (N ending mid-panel, K tails past
 the tiles, odd K in bf16, bias), and under torch.argmax's rules: the first of equal maxima (ties
-inside a lane, across lanes, panels and the threads' panel ranges) and the first NaN."""
+inside a lane, across lanes, panels and the threads' panel ranges) and the first NaN, whatever
+order the panels are folded in (a thread that steals takes another's panels from the back)."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -75,3 +78,24 @@ def test_nan_wins_and_the_first_nan_is_the_answer(ops, dtype, rows):
     weight[1700, 0] = weight[2900, 0] = 0.0
     all_minus_inf = PanelLinear(ops, weight, torch.full((n,), float("-inf")), dtype)
     assert all_minus_inf.argmax(x).tolist() == [0] * rows
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending", "shuffled"])
+def test_the_lanes_answer_does_not_depend_on_the_panel_order(ops, order):
+    """The fold alone (pk_lane_argmax_check), panels taken in any order: ties (values drawn from
+    a few levels, so each row's maximum recurs across lanes and panels), NaN columns, -inf rows
+    and a last panel that ends mid-way all give torch.argmax's answer."""
+    rows, n, panels = 9, 1000, 16
+    gen = torch.Generator().manual_seed(3)
+    y = torch.randint(0, 5, (rows, panels * 64), generator=gen).float()
+    y[2, 700] = y[2, 130] = y[2, 999] = float("nan")
+    y[3] = float("-inf")
+    y[4, 640:] = 100.0  # past n on the last panel's tail, and ties from 640 on
+    y[4, 1000:] = 1000.0  # columns >= n never count
+    perm = {"ascending": list(range(panels)), "descending": list(range(panels))[::-1]}
+    perm["shuffled"] = torch.randperm(panels, generator=gen).tolist()
+    order_arr = (ctypes.c_int64 * panels)(*perm[order])
+    ids = torch.empty(rows, dtype=torch.int64)
+    status = ops.pk_lane_argmax_check(y.data_ptr(), panels * 64, rows, n, order_arr, panels, ids.data_ptr())
+    assert status == 0
+    assert ids.tolist() == y[:, :n].argmax(dim=-1).tolist()
