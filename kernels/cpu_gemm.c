@@ -254,13 +254,7 @@ int pk_linear_argmax(int dtype, int64_t *ids, const float *x, int64_t lda, const
         }
         if (k_tiles) amx_tiles_end();
     }
-    for (int64_t r = 0; r < m; ++r) {
-        float v = -INFINITY;
-        int32_t c = LANE_UNSET;
-        for (int t = 0; t < used; ++t)
-            lane_max_merge((const LaneMax *)(scratch + per_thread * (size_t)t + y_bytes) + r, &v, &c);
-        ids[r] = c == LANE_UNSET ? 0 : c;
-    }
+    lane_max_ids(scratch + y_bytes, per_thread, used, m, ids);
     free(scratch), free(rounded);
     return 0;
 }
@@ -270,16 +264,12 @@ int pk_linear_argmax(int dtype, int64_t *ids, const float *x, int64_t lda, const
  * takes another thread's panels from the back), one set of lanes. 0, or -1 without memory. */
 int pk_lane_argmax_check(const float *y, int64_t ld, int64_t rows, int64_t n, const int64_t *order, int64_t panels,
                          int64_t *ids) {
-    LaneMax *lanes = aligned_alloc(64, (size_t)(rows > 0 ? rows : 1) * sizeof(LaneMax));
+    const size_t bytes = (size_t)(rows > 0 ? rows : 1) * sizeof(LaneMax);
+    LaneMax *lanes = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!lanes) return -1;
     lane_max_reset(lanes, rows);
     for (int64_t i = 0; i < panels; ++i) lane_max_fold(lanes, y + order[i] * NR, ld, rows, order[i] * NR, n);
-    for (int64_t r = 0; r < rows; ++r) {
-        float v = -INFINITY;
-        int32_t c = LANE_UNSET;
-        lane_max_merge(lanes + r, &v, &c);
-        ids[r] = c == LANE_UNSET ? 0 : c;
-    }
+    lane_max_ids((const char *)lanes, 0, 1, rows, ids);
     free(lanes);
     return 0;
 }

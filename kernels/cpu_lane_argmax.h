@@ -45,9 +45,8 @@ static inline void lane_max_fold(LaneMax *lanes, const float *y, int64_t ld, int
             const vn v = loadn(y + r * ld + j);
             const vni cols = iota + (int32_t)(col0 + j);
             const vni same = (v == best) | ((v != v) & (best != best));
-            const vni take =
-                ((v > best) | ((v != v) & (best == best)) | (same & (cols < col)) | (col == LANE_UNSET)) &
-                (cols < (int32_t)n);
+            /* an unset lane holds -inf at LANE_UNSET, so any value takes it (-inf by its column) */
+            const vni take = ((v > best) | ((v != v) & (best == best)) | (same & (cols < col))) & (cols < (int32_t)n);
             best = selectn(take, v, best);
             col = (take & cols) | (~take & col);
         }
@@ -69,6 +68,17 @@ static inline void lane_max_merge(const LaneMax *lane, float *value, int32_t *co
         if (c == LANE_UNSET || better1(x, v) || (same && xc < c)) v = x, c = xc;
     }
     *value = v, *column = c;
+}
+
+/* ids[r] = row r's answer over `sets` sets of lanes (set i at lanes0 + i * stride bytes, each
+ * `rows` LaneMax), ties to the smallest column; 0 for a row no lane saw (n = 0). */
+static inline void lane_max_ids(const char *lanes0, size_t stride, int sets, int64_t rows, int64_t *ids) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float v = -INFINITY;
+        int32_t c = LANE_UNSET;
+        for (int i = 0; i < sets; ++i) lane_max_merge((const LaneMax *)(lanes0 + stride * (size_t)i) + r, &v, &c);
+        ids[r] = c == LANE_UNSET ? 0 : c;
+    }
 }
 
 #endif
