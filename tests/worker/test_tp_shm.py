@@ -8,7 +8,8 @@ between real rank processes (tests/worker/tp_shm_main.py; gloo does the rendezvo
 - ranks that claim different hosts choose gloo (and say why), and still sum;
 - a rank that dies inside a collective breaks the group at once (its pid is gone: not after the
   step timeout), one that hangs breaks it at the step timeout, named both times;
-- a segment left by a creator that died before unlinking it is swept at the next start;
+- a segment left by a creator that died before unlinking it is swept at the next start, and a
+  /dev/shm without room for one is a fallback to gloo at the start;
 - PAGEDKV_TP_TRANSPORT is checked, and `shm` on ranks that cannot share is a start error.
 """
 
@@ -26,6 +27,7 @@ from tests.worker.tp_launch import free_port
 from worker.tp import shm
 
 GROUP_TIMEOUT_S = 300  # a hang guard
+FOLLOWER_GRACE_S = 30  # after rank 0 failed: long enough for a live rank to end too
 
 
 def run(size: int, scenario: str, tmp_path, env: dict | None = None, stopped: int | None = None) -> list:
@@ -33,11 +35,13 @@ def run(size: int, scenario: str, tmp_path, env: dict | None = None, stopped: in
     load_ops()  # skips, saying why, where the kernels cannot run here
     out, init = tmp_path / "seen", f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, **(env or {})}
-    cmd = [sys.executable, "-m", "tests.worker.tp_shm_main"]
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "tests.worker.tp_shm_main"]  # a crash prints
     args = [str(size), init, str(out), scenario]
     procs = [subprocess.Popen([*cmd, str(r), *args], env=env) for r in range(size)]
     try:
-        assert procs[0].wait(GROUP_TIMEOUT_S) == 0
+        leader = procs[0].wait(GROUP_TIMEOUT_S)
+        if leader != 0:  # what became of the others says why (a negative code: the signal)
+            pytest.fail(f"rank 0 exited {leader}; the other ranks' exit codes: {exit_codes(procs[1:])}")
         if stopped is not None:
             procs[stopped].kill()
         codes = [p.wait(GROUP_TIMEOUT_S) for p in procs]
@@ -49,6 +53,17 @@ def run(size: int, scenario: str, tmp_path, env: dict | None = None, stopped: in
         codes[stopped] = 0
     assert codes == [0] * size, codes
     return [torch.load(f"{out}.{r}") for r in range(size) if os.path.exists(f"{out}.{r}")]
+
+
+def exit_codes(procs: list) -> list:
+    """Each process's exit code once it ends (None: still running after FOLLOWER_GRACE_S)."""
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(FOLLOWER_GRACE_S))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    return codes
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -137,3 +152,19 @@ def test_the_transport_setting_is_checked(monkeypatch):
     elsewhere = lambda value: [value, ("boot:another-host", *value[1:])]  # noqa: E731
     with pytest.raises(WorkerConfigError, match="cannot share memory: the ranks run on 2 hosts"):
         shm.open_transport(0, 2, elsewhere, timeout_s=1.0)
+
+
+def test_a_full_dev_shm_falls_back_to_gloo_at_the_start(monkeypatch):
+    """The segment's pages are allocated when it is created: no room is a reason to use gloo, not
+    a SIGBUS in whichever rank first touches an unbacked page mid-step."""
+    load_ops()
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    mine, transport = shm.open_transport(0, 1, lambda value: [value], timeout_s=1.0)
+    assert mine is None
+    assert transport.startswith("gloo (rank 0 cannot create a segment in /dev/shm:"), transport
+    assert "No space left on device" in transport
+    assert list(shm.SHM_DIR.glob(f"{shm.PREFIX}{os.getpid()}-*")) == []  # nothing left behind

@@ -23,7 +23,7 @@ def run_group(size: int, module: str, args: list[str], out) -> dict:
     """Start `size` ranks of `module` with `args`; every rank must exit 0; rank 0's results
     (torch.save'd to `out`)."""
     init = f"tcp://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", module]
+    cmd = [sys.executable, "-X", "faulthandler", "-m", module]  # a crashing rank prints where
     procs = [subprocess.Popen([*cmd, str(r), str(size), init, *args]) for r in range(size)]
     try:
         codes = [p.wait(RANK_TIMEOUT_S) for p in procs]

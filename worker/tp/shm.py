@@ -140,8 +140,9 @@ def _map(path: Path, nbytes: int, create: bool) -> mmap.mmap:
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
-        if create:
+        if create:  # every page now: a full /dev/shm is a start-up fallback, not a SIGBUS mid-step
             os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
         elif os.fstat(fd).st_size != nbytes:
             raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {nbytes}")
         return mmap.mmap(fd, nbytes)
