@@ -33,6 +33,7 @@ from worker.cpu_decoder import DecoderStack
 from worker.cpu_gguf_linear import NATIVE_TYPE_NAMES, gguf_linear
 from worker.cpu_quant_weights import QuantLinear, quantize_int8
 from worker.cpu_weights import PANEL_DTYPES, PanelLinear, dtype_code, fused, release
+from worker.errors import WorkerConfigError
 from worker.model import CausalLM
 from worker.quant.gguf_weight import GgufBlockWeight
 from worker.quant.weight import concat_rows
@@ -281,3 +282,36 @@ class FastCpuForward:
         keep = inputs.logits_indices if rows is None else torch.tensor(rows, dtype=torch.int64)
         pointer = None if lora is None else lora.address
         return self._stack.run(self.ops, inputs, x, torch.get_num_threads(), keep, pointer)
+
+
+def choose_fast_forward(
+    model: CausalLM, device: torch.device, dtype: torch.dtype, config, vision: bool, shard=None
+) -> tuple[FastCpuForward | None, str]:
+    """(the fused CPU forward, "") when `config.cpu_kernels` wants it and it can run; else (None,
+    why it cannot: "" where it is not wanted). With "auto" the reference serves instead and the
+    reason is logged once and reported in ModelFacts (a slow CPU worker is never a silent
+    surprise); with "fast" it is a start error. `shard`: one rank's slices, with its group's
+    collectives (worker/tp)."""
+    if device.type != "cpu" or config.cpu_kernels == "reference":
+        return None, ""
+    reason = (
+        "vision-language models run the reference forward"
+        if vision
+        else fast_forward_unavailable(model, device, dtype)
+    )
+    if reason is not None:
+        if config.cpu_kernels == "fast":
+            raise WorkerConfigError(f"--cpu-kernels fast: the fused CPU forward cannot run: {reason}")
+        log.warning("worker.cpu_kernels_reference", reason=f"fast CPU forward unavailable: {reason}")
+        return None, reason
+    if shard is not None:
+        forward = shard.fast_forward(model, config.lm_head_int8)
+    else:
+        forward = FastCpuForward(model, lm_head_int8=config.lm_head_int8)
+    log.info(
+        "worker.cpu_kernels",
+        variant=forward.variant,
+        origin=forward.origin,
+        weight_mib=round(forward.resident_weight_bytes / 2**20, 1),
+    )
+    return forward, ""

@@ -22,12 +22,12 @@ import torch
 from torch import Tensor
 
 from base.logs import get_logger
-from base.plan import AdapterInfo, KVLayout, MemoryBreakdown, Plan, SeqOutput, StepResult, WorkerInfo
+from base.plan import AdapterInfo, KVLayout, MemoryBreakdown, Plan, StepResult, WorkerInfo
 from base.tokenizer import make_tokenizer
 from worker.backends import get_backend
 from worker.batch import build_model_inputs
 from worker.block_table import BlockTable
-from worker.cpu_forward import FastCpuForward, fast_forward_unavailable
+from worker.cpu_forward import choose_fast_forward
 from worker.cuda_graph import DecodeGraphRunner
 from worker.cuda_start import kernel_geometry, prepare_kernels
 from worker.draft_model import build_draft, load_draft
@@ -45,7 +45,7 @@ from worker.profile_workload import profiled_kv_bytes
 from worker.prompt_logprobs import compute as compute_prompt_logprobs
 from worker.sampler import Sampler, argmax_samples, picks_raw_argmax
 from worker.sequence_mirror import SequenceMirrors
-from worker.speculative_verify import sequence_outputs
+from worker.step_outputs import record_samples
 from worker.step_work import apply_plan
 from worker.tp.cuda_rank import collective_schedule
 from worker.tp.sharded_model import ModelShard
@@ -140,7 +140,9 @@ class Worker:
             None if self.limits.contiguous else BlockTable(self.limits.max_blocks_per_seq, table_device)
         )
         self.decode_graphs, self.graph_decision = self._prepare_graphs()
-        self.fast_forward = self._prepare_fast_forward()
+        self.fast_forward, self.forward_fallback_reason = choose_fast_forward(
+            self.model, self.device, self.dtype, config, vision=self.vision is not None, shard=shard
+        )
         self.memory = self._memory_report()
         if self.fast_forward is None and self.model.quantized:  # the reference runs dense linears
             self.model.materialize_quantized(self.dtype, self.device)
@@ -212,24 +214,9 @@ class Worker:
                 samples = self.sampler.sample(logits, work.rows, bitmask)
                 if work.drafts:
                     samples = self.draft.accept(work, logits, samples)
-        mirrors = self.mirrors
-        fully_accepted = []
-        outputs = []
-        for seq_id, sample, row, kept in sequence_outputs(
-            work.sampled_ids, work.rows, samples, work.proposals
-        ):
-            if kept is not None:  # a speculative verify: positions past the kept tokens roll back
-                mirrors.roll_back(seq_id, kept, self.limits.block_size)
-                if seq_id in work.drafts and len(sample.token_ids) > len(work.proposals[seq_id]):
-                    fully_accepted.append(seq_id)
-            mirror = mirrors[seq_id]
-            # What a feed_last_sample reads: a fan-out's first sample, a verify's last token.
-            mirror.last_sample = sample.token_ids[0 if kept is None else -1]
-            if row.grammar is not None:  # advanced now, so the next plan's mask never waits
-                self.grammars.accept(mirror, sample.token_ids[0], row.position)
-            outputs.append(
-                SeqOutput(seq_id, sample.token_ids, sample.logprobs, sample.top_ids, sample.top_logprobs)
-            )
+        outputs, fully_accepted = record_samples(
+            work, samples, self.mirrors, self.grammars, self.limits.block_size
+        )
         if fully_accepted:
             with torch.inference_mode():
                 self.draft.catch_up(work, fully_accepted)
@@ -381,36 +368,6 @@ class Worker:
             self.dtype,
             decide if self.shard is None else self.shard.graph_decider(),  # a group: all ranks or none
         )
-
-    def _prepare_fast_forward(self) -> FastCpuForward | None:
-        """The fused CPU forward when configured and possible. With cpu_kernels "auto" the
-        reference serves instead, and the reason is logged once and reported in ModelFacts
-        (a slow CPU worker is never a silent surprise); with "fast" it is a start error."""
-        self.forward_fallback_reason = ""
-        if self.device.type != "cpu" or self.config.cpu_kernels == "reference":
-            return None
-        reason = (
-            "vision-language models run the reference forward"
-            if self.vision is not None
-            else fast_forward_unavailable(self.model, self.device, self.dtype)
-        )
-        if reason is not None:
-            if self.config.cpu_kernels == "fast":
-                raise WorkerConfigError(f"--cpu-kernels fast: the fused CPU forward cannot run: {reason}")
-            self.forward_fallback_reason = reason
-            log.warning("worker.cpu_kernels_reference", reason=f"fast CPU forward unavailable: {reason}")
-            return None
-        if self.shard is not None:  # one rank's slices, with the group's collectives (worker/tp)
-            forward = self.shard.fast_forward(self.model, self.config.lm_head_int8)
-        else:
-            forward = FastCpuForward(self.model, lm_head_int8=self.config.lm_head_int8)
-        log.info(
-            "worker.cpu_kernels",
-            variant=forward.variant,
-            origin=forward.origin,
-            weight_mib=round(forward.resident_weight_bytes / 2**20, 1),
-        )
-        return forward
 
     @property
     def forward_kind(self) -> str:
