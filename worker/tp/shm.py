@@ -8,7 +8,8 @@ costs a copy in, a wait on a counter and a read of every rank's slot (docs/PERF.
 Choosing (once, at the group's start, over gloo's all_gather_object; every rank decides alike):
 
     every rank: (boot id, pid namespace, pid, kernels loaded?)   all on one boot id? else gloo
-    rank 0:     creates /dev/shm/pagedkv-tp-<pid>-<random>, writes the header and a nonce
+    rank 0:     creates /dev/shm/pagedkv-tp-<pid>-<random> with every page allocated (a full
+                /dev/shm is a fallback now, not a SIGBUS mid-step), writes the header and a nonce
     the others: open it by the name rank 0 sent, map it, check the nonce (a container with its
                 own /dev/shm finds no file, or another one: gloo)
     rank 0:     unlinks the file once every rank answered: the mappings keep the memory alive
