@@ -10,6 +10,7 @@ with a path that points into the wrong package.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 from pathlib import Path
@@ -19,11 +20,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("base", "control_plane", "worker", "kernels", "pagedkv", "bench")
 
+# every installed distribution's top-level names, read once (it walks all their metadata)
+owners = functools.cache(importlib.metadata.packages_distributions)
+
 
 @pytest.mark.parametrize("name", OURS)
 def test_no_installed_distribution_brings_a_package_of_our_name(name):
-    owners = importlib.metadata.packages_distributions().get(name, [])
-    others = sorted(set(owners) - {"pagedkv"})
+    others = sorted(set(owners().get(name, [])) - {"pagedkv"})
     assert not others, (
         f"installed distribution(s) {others} provide a top-level `{name}` package, which shadows or "
         f"merges with pagedkv's; uninstall them (a newer transformers pulls Hugging Face's `kernels`)"

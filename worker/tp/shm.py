@@ -141,8 +141,7 @@ def _map(path: Path, nbytes: int, create: bool) -> mmap.mmap:
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
-        if create:  # every page now: a full /dev/shm is a start-up fallback, not a SIGBUS mid-step
-            os.ftruncate(fd, nbytes)
+        if create:  # sized with every page allocated: a full /dev/shm fails here, not as a SIGBUS mid-step
             os.posix_fallocate(fd, 0, nbytes)
         elif os.fstat(fd).st_size != nbytes:
             raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {nbytes}")
